@@ -1,0 +1,46 @@
+#include "backends.h"
+
+#include <cstdlib>
+
+#include "comm/c10d_collectives.h"
+#include "core/check.h"
+#ifdef DSZ_WITH_CUDA
+#include "comm/nccl_collectives.h"
+#include "device/cuda_device.h"
+#endif
+
+namespace dsz {
+
+const char* buildFlavour()
+{
+#ifdef DSZ_WITH_CUDA
+    return "cuda";
+#else
+    return "cpu";
+#endif
+}
+
+Backends makeBackends(const c10::intrusive_ptr<c10d::ProcessGroup>& pg)
+{
+    DSZ_CHECK(pg, "init", "process_group is None");
+    const std::string backend = pg->getBackendName();
+    const bool nccl = backend.find("nccl") != std::string::npos;
+    Backends b;
+    if (nccl) {
+#ifdef DSZ_WITH_CUDA
+        b.device = makeCudaDevice();
+        b.comm = makeNcclCollectives(pg);
+#else
+        DSZ_FAIL("init", "the process group uses '", backend,
+                 "' but this ds_z3native build has no CUDA (build flavour 'cpu'); reinstall "
+                 "with CUDA available (pip install --no-build-isolation -e . with CUDA_HOME set) "
+                 "or use a gloo process group");
+#endif
+    } else {
+        b.device = makeHostDevice();
+        b.comm = makeC10dCollectives(pg);
+    }
+    return b;
+}
+
+}  // namespace dsz

@@ -1,0 +1,148 @@
+#include "core/gatherer.h"
+
+#include <ATen/ops/empty.h>
+
+#include "core/check.h"
+
+namespace dsz {
+
+Gatherer::Gatherer(Collectives& comm, DeviceBackend& device, CommStats& stats)
+    : comm_(comm), device_(device), stats_(stats), compute_ready_(device.newEvent())
+{
+}
+
+static at::Tensor fullView(const ParamEntry& p, const at::Tensor& flat)
+{
+    return flat.narrow(0, 0, p.numel).view(p.shape);
+}
+
+at::Tensor Gatherer::metaOf(const ParamEntry& p, std::optional<at::ScalarType> dtype)
+{
+    return at::empty(p.shape, at::TensorOptions()
+                                  .dtype(dtype.value_or(p.shard.scalar_type()))
+                                  .device(c10::kMeta));
+}
+
+at::Tensor Gatherer::shardForGather(ParamEntry& p, at::ScalarType dtype)
+{
+    at::Tensor shard = p.shard;
+    if (p.reloaded.defined()) {
+        if (p.reload_done) { p.reload_done->block(StreamRole::AllGather); }
+        shard = p.reloaded;
+    } else if (p.offload_done) {
+        p.offload_done->block(StreamRole::AllGather);
+    }
+    const c10::Device dev = device_.computeDevice();
+    if (shard.device() != dev || shard.scalar_type() != dtype || !shard.is_contiguous()) {
+        shard = shard.to(dev, dtype, /*non_blocking=*/false, /*copy=*/false,
+                         c10::MemoryFormat::Contiguous);
+    }
+    return shard.view(-1);
+}
+
+at::Tensor Gatherer::prepareBuffer(ParamEntry& p, at::ScalarType dtype)
+{
+    const at::Tensor& old = p.gathered;
+    if (old.defined() && old.numel() == p.layout.padded && old.scalar_type() == dtype &&
+        old.storage().nbytes() > 0) {
+        return old;
+    }
+    return at::empty({p.layout.padded},
+                     at::TensorOptions().dtype(dtype).device(device_.computeDevice()));
+}
+
+void Gatherer::launch(ParamEntry& p, const at::Tensor& buffer)
+{
+    at::Tensor shard = shardForGather(p, buffer.scalar_type());
+    comm_.allGather(shard, buffer, p.ds_id);
+    p.gathered = buffer;
+    p.has_gathered = true;
+    p.valid = true;
+    stats_.allgather_calls += 1;
+    stats_.allgather_bytes += buffer.numel() * static_cast<int64_t>(buffer.element_size());
+}
+
+at::Tensor Gatherer::gather(ParamEntry& p, std::optional<at::ScalarType> dtype, const char* op)
+{
+    DSZ_CHECK(p.partitioned, op, "ds_id ", p.ds_id,
+              " was registered with register_param (ZeRO-1/2) and is not partitioned");
+    const at::ScalarType target = dtype.value_or(p.shard.scalar_type());
+    if (p.valid && p.gathered.defined()) {
+        // A persistent copy is kept in the dtype it was first gathered in.
+        at::Tensor full = fullView(p, p.gathered);
+        return full.scalar_type() == target ? full : full.to(target);
+    }
+    // The compute stream may still read an old copy that the gather overwrites.
+    compute_ready_->record(StreamRole::Compute);
+    compute_ready_->block(StreamRole::AllGather);
+    {
+        auto scope = device_.use(StreamRole::AllGather);
+        at::Tensor buffer = prepareBuffer(p, target);
+        launch(p, buffer);
+    }
+    if (!p.gather_done) { p.gather_done = device_.newEvent(); }
+    p.gather_done->record(StreamRole::AllGather);
+    return fullView(p, p.gathered);
+}
+
+void Gatherer::prefetch(const std::vector<ParamEntry*>& params,
+                        const std::vector<std::optional<at::ScalarType>>& dtypes,
+                        const char* op)
+{
+    std::vector<std::pair<ParamEntry*, at::ScalarType>> todo;
+    for (size_t i = 0; i < params.size(); ++i) {
+        ParamEntry& p = *params[i];
+        DSZ_CHECK(p.partitioned, op, "ds_id ", p.ds_id, " is not a ZeRO-3 parameter");
+        if (p.valid && p.gathered.defined()) { continue; }
+        todo.emplace_back(&p, dtypes[i].value_or(p.shard.scalar_type()));
+    }
+    if (todo.empty()) { return; }
+    compute_ready_->record(StreamRole::Compute);
+    compute_ready_->block(StreamRole::AllGather);
+    {
+        auto scope = device_.use(StreamRole::AllGather);
+        std::vector<at::Tensor> buffers;
+        buffers.reserve(todo.size());
+        for (auto& [p, dtype] : todo) { buffers.push_back(prepareBuffer(*p, dtype)); }
+        CommGroup group(comm_);
+        for (size_t i = 0; i < todo.size(); ++i) { launch(*todo[i].first, buffers[i]); }
+        group.end();
+    }
+    for (auto& [p, dtype] : todo) {
+        if (!p->gather_done) { p->gather_done = device_.newEvent(); }
+        p->gather_done->record(StreamRole::AllGather);
+    }
+}
+
+void Gatherer::wait(ParamEntry& p)
+{
+    if (p.gather_done) { p.gather_done->block(StreamRole::Compute); }
+}
+
+void Gatherer::free(ParamEntry& p, const char* op)
+{
+    DSZ_CHECK(p.has_gathered, op, "ds_id ", p.ds_id,
+              " is not gathered: release_param without a preceding allgather_param, or a "
+              "second release after its last user");
+    if (p.gathered.defined() && p.gathered.storage().nbytes() > 0) {
+        // Kernels queued on the compute stream may still read it.
+        device_.recordStream(p.gathered, StreamRole::Compute);
+        // Free the memory under every view the graph still holds.
+        p.gathered.storage().unsafeGetStorageImpl()->reset();
+    }
+    forget(p, /*keep_placeholder=*/false);
+}
+
+void Gatherer::forget(ParamEntry& p, bool keep_placeholder)
+{
+    p.gathered = at::Tensor();
+    p.has_gathered = keep_placeholder;
+    p.valid = false;
+}
+
+void Gatherer::invalidateAfterStep(ParamEntry& p)
+{
+    if (!p.frozen) { p.valid = false; }
+}
+
+}  // namespace dsz

@@ -1,0 +1,52 @@
+// ZeRO-3 parameter gathering: allgather into a padded buffer, prefetch in one group, wait,
+// free at the last use, persistence, and invalidation after an optimizer step.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+#include "comm/collectives.h"
+#include "core/param_registry.h"
+#include "core/stats.h"
+#include "device/device.h"
+
+namespace dsz {
+
+class Gatherer {
+public:
+    Gatherer(Collectives& comm, DeviceBackend& device, CommStats& stats);
+
+    // The full parameter (true numel, original shape) in `dtype` (default: the shard's dtype).
+    // Issues an allgather unless a valid gathered copy exists. The result may still be in
+    // flight on the allgather stream: wait() makes the compute stream wait for it.
+    at::Tensor gather(ParamEntry& p, std::optional<at::ScalarType> dtype, const char* op);
+    // Starts gathers of every listed param that has no valid copy, in one collective group.
+    void prefetch(const std::vector<ParamEntry*>& params,
+                  const std::vector<std::optional<at::ScalarType>>& dtypes,
+                  const char* op);
+    void wait(ParamEntry& p);
+    // Frees the gathered copy in place (every view of it loses its storage).
+    void free(ParamEntry& p, const char* op);
+    // Forgets the gathered copy without freeing it (the profiler still holds it).
+    void forget(ParamEntry& p, bool keep_placeholder);
+    // After an optimizer step the values changed: the next gather must refresh the copy.
+    // Frozen params never change, so their copies stay valid.
+    static void invalidateAfterStep(ParamEntry& p);
+
+    // Full-shape metadata of the gathered param (for the Meta kernel).
+    static at::Tensor metaOf(const ParamEntry& p, std::optional<at::ScalarType> dtype);
+
+private:
+    at::Tensor prepareBuffer(ParamEntry& p, at::ScalarType dtype);
+    void launch(ParamEntry& p, const at::Tensor& buffer);
+    at::Tensor shardForGather(ParamEntry& p, at::ScalarType dtype);
+
+    Collectives& comm_;
+    DeviceBackend& device_;
+    CommStats& stats_;
+    std::shared_ptr<Event> compute_ready_;
+};
+
+}  // namespace dsz

@@ -1,0 +1,219 @@
+#include "core/grad_reducer.h"
+
+#include <ATen/ops/empty.h>
+
+#include "core/check.h"
+
+namespace dsz {
+
+GradReducer::GradReducer(ParamRegistry& registry,
+                         Collectives& comm,
+                         DeviceBackend& device,
+                         CommStats& stats,
+                         int64_t bucket_capacity,
+                         bool double_buffer)
+    : registry_(registry),
+      comm_(comm),
+      device_(device),
+      stats_(stats),
+      capacity_(bucket_capacity),
+      double_buffer_(double_buffer),
+      compute_ready_(device.newEvent()),
+      copies_done_(device.newEvent())
+{
+    DSZ_CHECK(bucket_capacity >= 1, "init", "initial_reduce_bucket_size must be >= 1, got ",
+              bucket_capacity);
+}
+
+void GradReducer::requireReducible(const ParamEntry& p, const char* op)
+{
+    DSZ_CHECK(!p.frozen, op, "ds_id ", p.ds_id,
+              " is frozen (requires_grad=False or set_param_frozen) but received a gradient; "
+              "no collective was issued. Unfreeze it with set_param_frozen(", p.ds_id,
+              ", False) and give it a grad buffer (re-register it), or keep it out of the loss");
+    if (p.partitioned) {
+        const int64_t have = p.grad_buffer.defined() ? p.grad_buffer.numel() : 0;
+        DSZ_CHECK(have >= p.requiredGradNumel(), op, "ds_id ", p.ds_id,
+                  " has a grad buffer of ", have, " elements but its shard needs ",
+                  p.requiredGradNumel(), " (ceil(", p.numel, " / ", p.layout.world_size,
+                  ")); a param registered frozen (empty buffer) and unfrozen later must be "
+                  "registered again with a grad buffer");
+    }
+}
+
+GradReducer::PerDtype& GradReducer::stateFor(at::ScalarType dtype, c10::Device device)
+{
+    auto it = per_dtype_.find(dtype);
+    if (it != per_dtype_.end()) { return it->second; }
+    PerDtype state;
+    const int n = double_buffer_ ? 2 : 1;
+    for (int i = 0; i < n; ++i) {
+        state.buckets.push_back(std::make_unique<ReduceBucket>(capacity_, dtype, device));
+        state.buckets.back()->drained = device_.newEvent();
+    }
+    return per_dtype_.emplace(dtype, std::move(state)).first->second;
+}
+
+void GradReducer::add(ParamEntry& p, const at::Tensor& grad_in, const char* op)
+{
+    requireReducible(p, op);
+    DSZ_CHECK(grad_in.defined(), op, "undefined gradient for ds_id ", p.ds_id);
+    DSZ_CHECK(at::isFloatingType(grad_in.scalar_type()), op, "gradient of ds_id ", p.ds_id,
+              " must be floating point, got ", grad_in.scalar_type());
+    DSZ_CHECK(grad_in.numel() == p.numel, op, "gradient of ds_id ", p.ds_id, " has ",
+              grad_in.numel(), " elements, the param has ", p.numel);
+    at::Tensor grad = grad_in.detach();
+    if (p.expected_grad_dtype && grad.scalar_type() != *p.expected_grad_dtype) {
+        grad = grad.to(*p.expected_grad_dtype);
+    }
+    const at::ScalarType dtype = grad.scalar_type();
+    const int64_t slot_n = p.partitioned ? p.layout.padded : p.numel;
+
+    PerDtype& state = stateFor(dtype, grad.device());
+    if (state.bucket().cursor().needsFlushFor(slot_n)) { flush(dtype, state); }
+    ReduceBucket& bucket = state.bucket();
+
+    // The copy may start once the gradient is computed and the bucket's last flush has read it.
+    compute_ready_->record(StreamRole::Compute);
+    compute_ready_->block(StreamRole::Copy);
+    bucket.drained->block(StreamRole::Copy);
+    at::Tensor slot;
+    {
+        auto scope = device_.use(StreamRole::Copy);
+        at::Tensor flat = grad.reshape({-1});
+        slot = bucket.take(slot_n);
+        slot.narrow(0, 0, p.numel).copy_(flat, /*non_blocking=*/true);
+        if (slot_n > p.numel) { slot.narrow(0, p.numel, slot_n - p.numel).zero_(); }
+        device_.recordStream(flat, StreamRole::Copy);
+    }
+    state.tasks.push_back(Task{p.ds_id, slot});
+}
+
+void GradReducer::discard(PerDtype& state)
+{
+    state.tasks.clear();
+    state.bucket().cursor().reset();
+}
+
+void GradReducer::flush(at::ScalarType dtype, PerDtype& state)
+{
+    if (state.tasks.empty()) { return; }
+    // Check every task before the first collective: a refusal must not leave ranks mid-group.
+    std::vector<ParamEntry*> params;
+    params.reserve(state.tasks.size());
+    for (const Task& t : state.tasks) {
+        try {
+            ParamEntry& p = registry_.get(t.ds_id, "reduce_grad (bucket flush)");
+            requireReducible(p, "reduce_grad (bucket flush)");
+            params.push_back(&p);
+        } catch (...) {
+            discard(state);
+            throw;
+        }
+    }
+
+    const int64_t ws = comm_.worldSize();
+    ReduceBucket& bucket = state.bucket();
+    copies_done_->record(StreamRole::Copy);
+    copies_done_->block(StreamRole::ReduceScatter);
+    {
+        auto scope = device_.use(StreamRole::ReduceScatter);
+        at::Tensor region = bucket.usedRegion();
+        if (ws > 1) { region.div_(static_cast<double>(ws)); }
+
+        // Receive directly into the grad buffer unless the result must be added or converted.
+        std::vector<at::Tensor> recv(params.size());
+        std::vector<bool> staged(params.size(), false);
+        int64_t staged_numel = 0;
+        for (size_t i = 0; i < params.size(); ++i) {
+            const ParamEntry& p = *params[i];
+            if (!p.partitioned) { continue; }
+            staged[i] = p.grad_accumulated || p.grad_buffer.scalar_type() != dtype ||
+                        !p.grad_buffer.is_contiguous();
+            if (staged[i]) { staged_numel += p.layout.per_rank; }
+        }
+        at::Tensor staging;
+        if (staged_numel > 0) {
+            staging = at::empty({staged_numel},
+                                at::TensorOptions().dtype(dtype).device(region.device()));
+        }
+        int64_t offset = 0;
+        for (size_t i = 0; i < params.size(); ++i) {
+            const ParamEntry& p = *params[i];
+            if (!p.partitioned) { continue; }
+            if (staged[i]) {
+                recv[i] = staging.narrow(0, offset, p.layout.per_rank);
+                offset += p.layout.per_rank;
+            } else {
+                recv[i] = p.grad_buffer.view({-1}).narrow(0, 0, p.layout.per_rank);
+            }
+        }
+
+        CommGroup group(comm_);
+        for (size_t i = 0; i < params.size(); ++i) {
+            const at::Tensor& slot = state.tasks[i].slot;
+            const int64_t bytes = slot.numel() * static_cast<int64_t>(slot.element_size());
+            if (params[i]->partitioned) {
+                comm_.reduceScatterSum(slot, recv[i], params[i]->ds_id);
+                stats_.reduce_scatter_calls += 1;
+                stats_.reduce_scatter_bytes += bytes;
+            } else {
+                comm_.allReduceSum(slot, params[i]->ds_id);
+                stats_.allreduce_calls += 1;
+                stats_.allreduce_bytes += bytes;
+            }
+        }
+        group.end();
+
+        for (size_t i = 0; i < params.size(); ++i) {
+            ParamEntry& p = *params[i];
+            at::Tensor result;
+            at::Tensor target;
+            if (p.partitioned) {
+                if (staged[i]) {
+                    result = recv[i];
+                    target = p.grad_buffer.view({-1}).narrow(0, 0, p.layout.per_rank);
+                }
+            } else if (p.hasGradBuffer()) {
+                target = p.grad_buffer.view({-1});
+                result = state.tasks[i].slot.narrow(0, p.grad_offset, target.numel());
+            }
+            if (target.defined()) {
+                if (p.grad_accumulated) {
+                    target.add_(result.to(target.scalar_type()));
+                } else {
+                    target.copy_(result, /*non_blocking=*/true);
+                }
+            }
+            p.grad_accumulated = true;
+        }
+        if (staging.defined()) { device_.recordStream(staging, StreamRole::ReduceScatter); }
+        device_.recordStream(region, StreamRole::ReduceScatter);
+    }
+    bucket.drained->record(StreamRole::ReduceScatter);
+    stats_.bucket_flushes += 1;
+    state.tasks.clear();
+    bucket.cursor().reset();
+    state.current = (state.current + 1) % state.buckets.size();
+}
+
+void GradReducer::flushAll()
+{
+    for (auto& [dtype, state] : per_dtype_) { flush(dtype, state); }
+}
+
+void GradReducer::releaseBuffers()
+{
+    DSZ_CHECK(pending() == 0, "end_backward", "cannot release reduce buckets with ", pending(),
+              " gradients still queued");
+    per_dtype_.clear();
+}
+
+size_t GradReducer::pending() const
+{
+    size_t n = 0;
+    for (const auto& [dtype, state] : per_dtype_) { n += state.tasks.size(); }
+    return n;
+}
+
+}  // namespace dsz

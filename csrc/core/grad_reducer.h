@@ -1,0 +1,70 @@
+// Gradient reduction through per-dtype, optionally double-buffered buckets. A ZeRO-3 gradient
+// takes a slot of the padded length (world_size * ceil(numel / world_size)), its padding zeroed,
+// and is reduce-scattered into this rank's shard of the grad buffer; a ZeRO-1/2 gradient is
+// all-reduced and its partition copied out. Values are averaged over ranks (pre-divided, summed).
+// No collective is ever issued for a frozen param or one without a large enough buffer: such a
+// gradient raises an error naming the ds_id instead of being dropped.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "comm/collectives.h"
+#include "core/bucket.h"
+#include "core/param_registry.h"
+#include "core/stats.h"
+#include "device/device.h"
+
+namespace dsz {
+
+class GradReducer {
+public:
+    GradReducer(ParamRegistry& registry,
+                Collectives& comm,
+                DeviceBackend& device,
+                CommStats& stats,
+                int64_t bucket_capacity,
+                bool double_buffer);
+
+    // Checks that `p` may receive a reduced gradient; throws naming `op` and the id otherwise.
+    static void requireReducible(const ParamEntry& p, const char* op);
+
+    // Validates `grad` and queues it; flushes the bucket first when it is full.
+    void add(ParamEntry& p, const at::Tensor& grad, const char* op);
+    void flushAll();
+    // Frees bucket memory (nothing may be queued).
+    void releaseBuffers();
+    size_t pending() const;
+    int64_t bucketCapacity() const { return capacity_; }
+
+private:
+    struct Task {
+        int64_t ds_id;
+        at::Tensor slot;    // the bucket slice holding the (padded) gradient
+    };
+    struct PerDtype {
+        std::vector<std::unique_ptr<ReduceBucket>> buckets;  // 1 or 2
+        size_t current = 0;
+        std::vector<Task> tasks;
+        ReduceBucket& bucket() { return *buckets[current]; }
+    };
+
+    PerDtype& stateFor(at::ScalarType dtype, c10::Device device);
+    void flush(at::ScalarType dtype, PerDtype& state);
+    void discard(PerDtype& state);
+
+    ParamRegistry& registry_;
+    Collectives& comm_;
+    DeviceBackend& device_;
+    CommStats& stats_;
+    int64_t capacity_;
+    bool double_buffer_;
+    std::map<at::ScalarType, PerDtype> per_dtype_;
+    std::shared_ptr<Event> compute_ready_;
+    std::shared_ptr<Event> copies_done_;
+};
+
+}  // namespace dsz

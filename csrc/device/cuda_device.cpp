@@ -1,0 +1,81 @@
+// CUDA streams and events for the runtime's stream roles. Compute is the stream current when an
+// op is entered; the other roles are high-priority pool streams owned by this object.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <array>
+#include <optional>
+
+#include "device/cuda_device.h"
+
+namespace dsz {
+namespace {
+
+class CudaDevice;
+
+class CudaEvent final : public Event {
+public:
+    explicit CudaEvent(CudaDevice& dev) : dev_(dev), event_(cudaEventDisableTiming) {}
+    void record(StreamRole role) override;
+    void block(StreamRole role) override;
+
+private:
+    CudaDevice& dev_;
+    at::cuda::CUDAEvent event_;
+};
+
+class CudaScope final : public StreamScope {
+public:
+    explicit CudaScope(c10::cuda::CUDAStream s) : guard_(s) {}
+
+private:
+    c10::cuda::CUDAStreamGuard guard_;
+};
+
+class CudaDevice final : public DeviceBackend {
+public:
+    CudaDevice() : device_(c10::kCUDA, c10::cuda::current_device())
+    {
+        for (size_t i = 1; i < streams_.size(); ++i) {
+            streams_[i].emplace(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index()));
+        }
+    }
+
+    c10::cuda::CUDAStream stream(StreamRole role) const
+    {
+        if (role == StreamRole::Compute) { return c10::cuda::getCurrentCUDAStream(device_.index()); }
+        return *streams_[static_cast<size_t>(role)];
+    }
+
+    const char* name() const override { return "cuda"; }
+    c10::Device computeDevice() const override { return device_; }
+    std::shared_ptr<Event> newEvent() override { return std::make_shared<CudaEvent>(*this); }
+    std::unique_ptr<StreamScope> use(StreamRole role) override
+    {
+        return std::make_unique<CudaScope>(stream(role));
+    }
+    void synchronize(StreamRole role) override { stream(role).synchronize(); }
+    void synchronizeDevice() override { c10::cuda::device_synchronize(); }
+    void recordStream(const at::Tensor& t, StreamRole role) override
+    {
+        if (!t.defined() || !t.is_cuda() || t.storage().nbytes() == 0) { return; }
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream(role));
+    }
+    bool supportsPinnedMemory() const override { return true; }
+
+private:
+    c10::Device device_;
+    std::array<std::optional<c10::cuda::CUDAStream>, 6> streams_;
+};
+
+void CudaEvent::record(StreamRole role) { event_.record(dev_.stream(role)); }
+void CudaEvent::block(StreamRole role) { event_.block(dev_.stream(role)); }
+
+}  // namespace
+
+std::unique_ptr<DeviceBackend> makeCudaDevice() { return std::make_unique<CudaDevice>(); }
+
+}  // namespace dsz

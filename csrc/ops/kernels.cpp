@@ -1,0 +1,112 @@
+#include "ops/kernels.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+#include "core/check.h"
+#include "runtime.h"
+
+namespace dsz::ops {
+
+using current_runtime::get;
+
+at::Tensor allgather_param(const at::Tensor&, int64_t graph_id, int64_t id,
+                           std::optional<at::ScalarType> dtype)
+{
+    return get("allgather_param").allgatherParam(graph_id, id, dtype);
+}
+
+void prefetch_params_fused(int64_t graph_id, at::TensorList params, at::IntArrayRef ids,
+                           std::optional<std::vector<at::ScalarType>> dtypes)
+{
+    DSZ_CHECK(params.size() == ids.size(), "prefetch_params_fused", "graph ", graph_id, ": ",
+              params.size(), " params but ", ids.size(), " ids");
+    get("prefetch_params_fused").prefetchParamsFused(graph_id, ids.vec(), dtypes);
+}
+
+at::Tensor wait_allgather(const at::Tensor& a, int64_t graph_id, int64_t id)
+{
+    get("wait_allgather").waitAllgather(graph_id, id);
+    return a;
+}
+
+at::Tensor release_param(const at::Tensor& a, int64_t graph_id, int64_t id, int64_t n_users)
+{
+    get("release_param").releaseParam(graph_id, id, n_users);
+    return a;
+}
+
+at::Tensor reduce_grad(const at::Tensor& a, int64_t graph_id, int64_t id)
+{
+    get("reduce_grad").reduceGrad(graph_id, id, a);
+    return at::empty({0}, a.options());
+}
+
+void free_tensors(at::TensorList a) { get("free_tensors").freeTensors(a.vec()); }
+
+at::Tensor offload_tensor(const at::Tensor& a, int64_t graph_id, int64_t id)
+{
+    return get("offload_tensor").offloadTensor(a, graph_id, id);
+}
+
+at::Tensor reload_tensor(const at::Tensor&, int64_t graph_id, int64_t id)
+{
+    return get("reload_tensor").reloadTensor(graph_id, id);
+}
+
+at::Tensor wait_offload(const at::Tensor&, int64_t graph_id, int64_t id)
+{
+    return get("wait_offload").waitOffload(graph_id, id);
+}
+
+at::Tensor wait_reload(const at::Tensor& a, int64_t graph_id, int64_t id)
+{
+    return get("wait_reload").waitReload(a, graph_id, id);
+}
+
+void offload_parameter(const at::Tensor&, int64_t graph_id, int64_t id)
+{
+    get("offload_parameter").offloadParameter(graph_id, id);
+}
+
+void reload_parameter(const at::Tensor&, int64_t graph_id, int64_t id)
+{
+    get("reload_parameter").reloadParameter(graph_id, id);
+}
+
+void end_backward(const c10::IValue&, int64_t graph_id, bool release_reduce_buckets)
+{
+    get("end_backward").endBackward(graph_id, release_reduce_buckets);
+}
+
+// DeepSpeed's debug op: kept for the schema, prints nothing.
+at::Tensor test_call(const at::Tensor& a) { return a.clone(); }
+
+// ------------------------------------------------------------------ Meta
+
+at::Tensor allgather_param_meta(const at::Tensor&, int64_t, int64_t id,
+                                std::optional<at::ScalarType> dtype)
+{
+    return get("allgather_param (meta)").gatheredMeta(id, dtype);
+}
+
+void prefetch_params_fused_meta(int64_t graph_id, at::TensorList params, at::IntArrayRef ids,
+                                std::optional<std::vector<at::ScalarType>>)
+{
+    DSZ_CHECK(params.size() == ids.size(), "prefetch_params_fused (meta)", "graph ", graph_id,
+              ": ", params.size(), " params but ", ids.size(), " ids");
+}
+
+at::Tensor alias_meta(const at::Tensor& a, int64_t, int64_t) { return a; }
+at::Tensor release_param_meta(const at::Tensor& a, int64_t, int64_t, int64_t) { return a; }
+at::Tensor reduce_grad_meta(const at::Tensor& a, int64_t, int64_t)
+{
+    return at::empty({0}, a.options());
+}
+void free_tensors_meta(at::TensorList) {}
+at::Tensor like_meta(const at::Tensor& a, int64_t, int64_t) { return at::empty_like(a); }
+void param_offload_meta(const at::Tensor&, int64_t, int64_t) {}
+void end_backward_meta(const c10::IValue&, int64_t, bool) {}
+at::Tensor test_call_meta(const at::Tensor& a) { return at::empty_like(a); }
+
+}  // namespace dsz::ops

@@ -1,0 +1,45 @@
+// Kernels of the dc ops. The device kernels validate nothing themselves: each is a thin call into
+// the runtime, which checks ids and values. The Meta kernels compute shapes only.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <optional>
+#include <vector>
+
+namespace dsz::ops {
+
+// Device kernels (CPU and CUDA keys; the runtime's backend decides what runs where).
+at::Tensor allgather_param(const at::Tensor& a, int64_t graph_id, int64_t id,
+                           std::optional<at::ScalarType> dtype);
+void prefetch_params_fused(int64_t graph_id, at::TensorList params, at::IntArrayRef ids,
+                           std::optional<std::vector<at::ScalarType>> dtypes);
+at::Tensor wait_allgather(const at::Tensor& a, int64_t graph_id, int64_t id);
+at::Tensor release_param(const at::Tensor& a, int64_t graph_id, int64_t id, int64_t n_users);
+at::Tensor reduce_grad(const at::Tensor& a, int64_t graph_id, int64_t id);
+void free_tensors(at::TensorList a);
+at::Tensor offload_tensor(const at::Tensor& a, int64_t graph_id, int64_t id);
+at::Tensor reload_tensor(const at::Tensor& a, int64_t graph_id, int64_t id);
+at::Tensor wait_offload(const at::Tensor& a, int64_t graph_id, int64_t id);
+at::Tensor wait_reload(const at::Tensor& a, int64_t graph_id, int64_t id);
+void offload_parameter(const at::Tensor& a, int64_t graph_id, int64_t id);
+void reload_parameter(const at::Tensor& a, int64_t graph_id, int64_t id);
+void end_backward(const c10::IValue& deps, int64_t graph_id, bool release_reduce_buckets);
+at::Tensor test_call(const at::Tensor& a);
+
+// Meta kernels.
+at::Tensor allgather_param_meta(const at::Tensor& a, int64_t graph_id, int64_t id,
+                                std::optional<at::ScalarType> dtype);
+void prefetch_params_fused_meta(int64_t graph_id, at::TensorList params, at::IntArrayRef ids,
+                                std::optional<std::vector<at::ScalarType>> dtypes);
+at::Tensor alias_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
+at::Tensor release_param_meta(const at::Tensor& a, int64_t graph_id, int64_t id, int64_t n_users);
+at::Tensor reduce_grad_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
+void free_tensors_meta(at::TensorList a);
+at::Tensor like_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
+void param_offload_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
+void end_backward_meta(const c10::IValue& deps, int64_t graph_id, bool release_reduce_buckets);
+at::Tensor test_call_meta(const at::Tensor& a);
+
+}  // namespace dsz::ops

@@ -1,0 +1,512 @@
+#include "runtime.h"
+
+#include <ATen/ops/empty.h>
+
+#include <unordered_set>
+
+#include "core/check.h"
+
+namespace dsz {
+
+#define DSZ_LOCK std::lock_guard<std::mutex> guard_(mutex_)
+
+namespace {
+
+int64_t numelOf(const std::vector<int64_t>& shape, const char* op, int64_t ds_id)
+{
+    int64_t n = 1;
+    for (int64_t d : shape) {
+        DSZ_CHECK(d >= 0, op, "ds_id ", ds_id, " has a negative dimension in ds_shape: ", d);
+        n *= d;
+    }
+    return n;
+}
+
+void checkGradBuffer(const at::Tensor& buf, int64_t ds_id, const char* op)
+{
+    DSZ_CHECK(at::isFloatingType(buf.scalar_type()), op, "grad buffer of ds_id ", ds_id,
+              " must be floating point, got ", buf.scalar_type());
+    DSZ_CHECK(buf.is_contiguous(), op, "grad buffer of ds_id ", ds_id, " must be contiguous");
+}
+
+}  // namespace
+
+Runtime::Runtime(std::unique_ptr<Collectives> comm,
+                 std::unique_ptr<DeviceBackend> device,
+                 RuntimeConfig config)
+    : comm_(std::move(comm)),
+      device_(std::move(device)),
+      config_(config),
+      gatherer_(*comm_, *device_, stats_),
+      reducer_(registry_, *comm_, *device_, stats_, config.reduce_bucket_size, config.double_buffer)
+{
+    DSZ_CHECK(config.free_activation_threshold >= 0, "init",
+              "free_activation_threshold must be >= 0, got ", config.free_activation_threshold);
+}
+
+Runtime::~Runtime() = default;
+
+GraphExecutor& Runtime::executor(int64_t graph_id, const char* op)
+{
+    auto it = executors_.find(graph_id);
+    DSZ_CHECK(it != executors_.end(), op, "unknown graph_id ", graph_id,
+              " (not registered with register_graph_z1/z2/z3, or dropped by reset(); ",
+              executors_.size(), " graphs registered)");
+    return it->second;
+}
+
+ParamEntry& Runtime::member(GraphExecutor& ex, int64_t ds_id, const char* op)
+{
+    ParamEntry& p = registry_.get(ds_id, op);
+    ex.requireMember(ds_id, op);
+    return p;
+}
+
+// ---------------------------------------------------------------- registration
+
+void Runtime::registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape,
+                              const at::Tensor& shard, const at::Tensor& grad_buffer,
+                              bool persistent, std::optional<at::ScalarType> expected_grad_dtype)
+{
+    DSZ_LOCK;
+    const char* op = "register_z3_param";
+    DSZ_CHECK(shard.defined(), op, "ds_tensor of ds_id ", ds_id, " is undefined");
+    ParamEntry e;
+    e.ds_id = ds_id;
+    e.shape = shape;
+    e.numel = numelOf(shape, op, ds_id);
+    e.layout = ShardLayout::of(e.numel, comm_->worldSize(), op);
+    DSZ_CHECK(shard.numel() == e.layout.per_rank, op, "ds_tensor of ds_id ", ds_id, " has ",
+              shard.numel(), " elements, expected ceil(", e.numel, " / ", e.layout.world_size,
+              ") = ", e.layout.per_rank);
+    e.shard = shard;
+    e.partitioned = true;
+    e.persistent = persistent;
+    e.expected_grad_dtype = expected_grad_dtype;
+    if (expected_grad_dtype) {
+        DSZ_CHECK(at::isFloatingType(*expected_grad_dtype), op, "expected_grad_dtype of ds_id ",
+                  ds_id, " must be floating point, got ", *expected_grad_dtype);
+    }
+    // An undefined or empty buffer is how DeepSpeed registers a param without gradients.
+    e.frozen = !(grad_buffer.defined() && grad_buffer.numel() > 0);
+    if (!e.frozen) {
+        checkGradBuffer(grad_buffer, ds_id, op);
+        DSZ_CHECK(grad_buffer.numel() >= e.layout.per_rank, op, "grad buffer of ds_id ", ds_id,
+                  " has ", grad_buffer.numel(), " elements, its shard needs ceil(", e.numel,
+                  " / ", e.layout.world_size, ") = ", e.layout.per_rank);
+        grad_buffer.zero_();
+        e.grad_buffer = grad_buffer;
+    }
+    // Registering an id again replaces it (and drops its gathered copy): the latest shard wins.
+    registry_.put(std::move(e));
+}
+
+void Runtime::registerParam(int64_t ds_id, const std::vector<int64_t>& shape,
+                            const at::Tensor& param, const at::Tensor& grad_buffer, int64_t offset)
+{
+    DSZ_LOCK;
+    const char* op = "register_param";
+    DSZ_CHECK(param.defined(), op, "param of ds_id ", ds_id, " is undefined");
+    ParamEntry e;
+    e.ds_id = ds_id;
+    e.shape = shape;
+    e.numel = numelOf(shape, op, ds_id);
+    DSZ_CHECK(param.numel() == e.numel, op, "param of ds_id ", ds_id, " has ", param.numel(),
+              " elements but ds_shape says ", e.numel);
+    e.layout = ShardLayout::of(e.numel, comm_->worldSize(), op);
+    e.shard = param;
+    e.partitioned = false;
+    registry_.put(std::move(e));
+    // The buffer checks are shared with update_param_grad_buffer.
+    ParamEntry& p = registry_.get(ds_id, op);
+    if (grad_buffer.defined() && grad_buffer.numel() > 0) {
+        checkGradBuffer(grad_buffer, ds_id, op);
+        DSZ_CHECK(offset >= 0 && offset + grad_buffer.numel() <= p.numel, op, "ds_id ", ds_id,
+                  ": grad buffer of ", grad_buffer.numel(), " elements at offset ", offset,
+                  " does not fit a param of ", p.numel);
+        grad_buffer.zero_();
+    }
+    p.grad_buffer = grad_buffer;
+    p.grad_offset = offset;
+}
+
+void Runtime::updateParamGradBuffer(int64_t ds_id, const at::Tensor& grad_buffer, int64_t offset)
+{
+    DSZ_LOCK;
+    const char* op = "update_param_grad_buffer";
+    ParamEntry& p = registry_.get(ds_id, op);
+    if (grad_buffer.defined() && grad_buffer.numel() > 0) {
+        checkGradBuffer(grad_buffer, ds_id, op);
+        if (p.partitioned) {
+            DSZ_CHECK(grad_buffer.numel() >= p.layout.per_rank, op, "grad buffer of ds_id ",
+                      ds_id, " has ", grad_buffer.numel(), " elements, its shard needs ",
+                      p.layout.per_rank);
+        } else {
+            DSZ_CHECK(offset >= 0 && offset + grad_buffer.numel() <= p.numel, op, "ds_id ", ds_id,
+                      ": grad buffer of ", grad_buffer.numel(), " elements at offset ", offset,
+                      " does not fit a param of ", p.numel);
+        }
+        grad_buffer.zero_();
+    }
+    p.grad_buffer = grad_buffer;
+    p.grad_offset = offset;
+}
+
+void Runtime::registerGraph(int64_t graph_id, const std::vector<int64_t>& ds_ids, ZeroStage stage)
+{
+    DSZ_LOCK;
+    const char* op = stage == ZeroStage::Z3 ? "register_graph_z3"
+                     : stage == ZeroStage::Z2 ? "register_graph_z2" : "register_graph_z1";
+    std::unordered_set<int64_t> seen;
+    for (int64_t id : ds_ids) {
+        // ZeRO-3 registers every module param first; ZeRO-1/2 graphs may list frozen params
+        // that the optimizer (and so register_param) never saw.
+        if (stage == ZeroStage::Z3) { registry_.get(id, op); }
+        DSZ_CHECK(seen.insert(id).second, op, "ds_id ", id, " listed twice for graph ", graph_id);
+    }
+    executors_.erase(graph_id);
+    offloads_.erase(graph_id);
+    executors_.emplace(std::piecewise_construct, std::forward_as_tuple(graph_id),
+                       std::forward_as_tuple(graph_id, stage, ds_ids));
+}
+
+void Runtime::setPersistent(int64_t ds_id)
+{
+    DSZ_LOCK;
+    ParamEntry& p = registry_.get(ds_id, "set_persistent");
+    DSZ_CHECK(p.partitioned, "set_persistent", "ds_id ", ds_id, " is not a ZeRO-3 parameter");
+    p.persistent = true;
+    // Gather now, outside forward and backward, so the long-lived buffer does not fragment
+    // the memory the graphs use.
+    if (!p.valid) {
+        gatherer_.gather(p, std::nullopt, "set_persistent");
+        gatherer_.wait(p);
+    }
+}
+
+void Runtime::setParamFrozen(int64_t ds_id, bool frozen)
+{
+    DSZ_LOCK;
+    registry_.get(ds_id, "set_param_frozen").frozen = frozen;
+}
+
+bool Runtime::isParamFrozen(int64_t ds_id)
+{
+    DSZ_LOCK;
+    return registry_.get(ds_id, "is_param_frozen").frozen;
+}
+
+void Runtime::startForward() {}
+void Runtime::endForward() {}
+
+void Runtime::startBackward(bool update)
+{
+    DSZ_LOCK;
+    if (window_closed_) {
+        // The optimizer consumed the last window's gradients: the next reduction overwrites.
+        for (auto& [id, p] : registry_.entries()) { p.grad_accumulated = false; }
+    }
+    window_closed_ = update;
+    updating_ = update;
+    for (auto& [id, ex] : executors_) { ex.updating = update; }
+}
+
+void Runtime::reset()
+{
+    DSZ_LOCK;
+    executors_.clear();
+    offloads_.clear();
+}
+
+void Runtime::enableProfiling(bool enable)
+{
+    DSZ_LOCK;
+    profiling_ = enable;
+}
+
+bool Runtime::isProfiling()
+{
+    DSZ_LOCK;
+    return profiling_;
+}
+
+void Runtime::invalidateGatheredParam(int64_t ds_id)
+{
+    DSZ_LOCK;
+    ParamEntry& p = registry_.get(ds_id, "invalidate_gathered_param");
+    if (p.persistent) { return; }
+    gatherer_.forget(p, /*keep_placeholder=*/true);
+}
+
+void Runtime::clearAllGatheredParams()
+{
+    DSZ_LOCK;
+    for (auto& [id, p] : registry_.entries()) {
+        if (!p.persistent && p.has_gathered) { gatherer_.forget(p, /*keep_placeholder=*/false); }
+    }
+}
+
+// ---------------------------------------------------------------- ops
+
+at::Tensor Runtime::allgatherParam(int64_t graph_id, int64_t ds_id,
+                                   std::optional<at::ScalarType> dtype)
+{
+    DSZ_LOCK;
+    const char* op = "allgather_param";
+    ParamEntry& p = member(executor(graph_id, op), ds_id, op);
+    if (config_.sync_before_allgather) { device_->synchronizeDevice(); }
+    at::Tensor out = gatherer_.gather(p, dtype, op);
+    if (config_.sync_after_allgather) { device_->synchronizeDevice(); }
+    return out;
+}
+
+void Runtime::prefetchParamsFused(int64_t graph_id, const std::vector<int64_t>& ds_ids,
+                                  const std::optional<std::vector<at::ScalarType>>& dtypes)
+{
+    DSZ_LOCK;
+    const char* op = "prefetch_params_fused";
+    GraphExecutor& ex = executor(graph_id, op);
+    if (dtypes) {
+        DSZ_CHECK(dtypes->size() == ds_ids.size(), op, "graph ", graph_id, ": ", ds_ids.size(),
+                  " ids but ", dtypes->size(), " dtypes");
+    }
+    std::vector<ParamEntry*> params;
+    std::vector<std::optional<at::ScalarType>> types;
+    std::unordered_set<int64_t> seen;
+    for (size_t i = 0; i < ds_ids.size(); ++i) {
+        DSZ_CHECK(seen.insert(ds_ids[i]).second, op, "ds_id ", ds_ids[i], " listed twice");
+        params.push_back(&member(ex, ds_ids[i], op));
+        types.push_back(dtypes ? std::optional<at::ScalarType>((*dtypes)[i]) : std::nullopt);
+    }
+    if (config_.sync_before_allgather) { device_->synchronizeDevice(); }
+    gatherer_.prefetch(params, types, op);
+    if (config_.sync_after_allgather) { device_->synchronizeDevice(); }
+}
+
+void Runtime::waitAllgather(int64_t graph_id, int64_t ds_id)
+{
+    DSZ_LOCK;
+    const char* op = "wait_allgather";
+    gatherer_.wait(member(executor(graph_id, op), ds_id, op));
+}
+
+void Runtime::releaseParam(int64_t graph_id, int64_t ds_id, int64_t n_users)
+{
+    DSZ_LOCK;
+    const char* op = "release_param";
+    GraphExecutor& ex = executor(graph_id, op);
+    ParamEntry& p = member(ex, ds_id, op);
+    if (ex.releaseUse(ds_id, n_users, op) && !p.persistent) { gatherer_.free(p, op); }
+}
+
+void Runtime::reduceGrad(int64_t graph_id, int64_t ds_id, const at::Tensor& grad)
+{
+    DSZ_LOCK;
+    const char* op = "reduce_grad";
+    GraphExecutor& ex = executor(graph_id, op);
+    ParamEntry& p = member(ex, ds_id, op);
+    if (profiling_) { return; }  // the profiler runs the graph without reducing
+    GradReducer::requireReducible(p, op);
+    if (config_.sync_before_reduce) { device_->synchronizeDevice(); }
+    if (ex.stage() == ZeroStage::Z1) {
+        // ZeRO-1 reduces once per accumulation window, the local sum of its gradients.
+        ex.accumulateLocal(ds_id, grad);
+        if (updating_) { reducer_.add(p, ex.takeLocal(ds_id), op); }
+    } else {
+        reducer_.add(p, grad, op);
+    }
+    if (config_.sync_after_reduce) { device_->synchronizeDevice(); }
+}
+
+void Runtime::endBackward(int64_t graph_id, bool release_reduce_buckets)
+{
+    DSZ_LOCK;
+    const char* op = "end_backward";
+    GraphExecutor& ex = executor(graph_id, op);
+    reducer_.flushAll();
+    // The optimizer step reads the grad buffers next.
+    device_->synchronize(StreamRole::ReduceScatter);
+    if (release_reduce_buckets) { reducer_.releaseBuffers(); }
+    if (updating_) {
+        for (int64_t id : ex.ids()) {
+            if (registry_.contains(id)) { Gatherer::invalidateAfterStep(registry_.get(id, op)); }
+        }
+    }
+    auto it = offloads_.find(graph_id);
+    if (it != offloads_.end()) { it->second.releaseReloaded(); }
+}
+
+void Runtime::freeTensors(const std::vector<at::Tensor>& tensors)
+{
+    DSZ_LOCK;
+    if (profiling_) { return; }
+    const c10::Device dev = device_->computeDevice();
+    for (const at::Tensor& t : tensors) {
+        if (!t.defined() || t.device() != dev || t.numel() <= config_.free_activation_threshold) {
+            continue;
+        }
+        device_->recordStream(t, StreamRole::Compute);
+        const_cast<at::Tensor&>(t).set_data(at::empty({0}, t.options()));
+    }
+}
+
+ActivationOffload& Runtime::offloadFor(int64_t graph_id, const char* op)
+{
+    executor(graph_id, op);
+    auto it = offloads_.find(graph_id);
+    if (it == offloads_.end()) {
+        it = offloads_
+                 .emplace(std::piecewise_construct, std::forward_as_tuple(graph_id),
+                          std::forward_as_tuple(*device_, config_.offload_activation_pin_memory))
+                 .first;
+    }
+    return it->second;
+}
+
+at::Tensor Runtime::offloadTensor(const at::Tensor& t, int64_t graph_id, int64_t id)
+{
+    DSZ_LOCK;
+    return offloadFor(graph_id, "offload_tensor").offload(t, id, "offload_tensor");
+}
+
+at::Tensor Runtime::reloadTensor(int64_t graph_id, int64_t id)
+{
+    DSZ_LOCK;
+    return offloadFor(graph_id, "reload_tensor").reload(id, "reload_tensor");
+}
+
+at::Tensor Runtime::waitOffload(int64_t graph_id, int64_t id)
+{
+    DSZ_LOCK;
+    return offloadFor(graph_id, "wait_offload").waitOffload(id, "wait_offload");
+}
+
+at::Tensor Runtime::waitReload(const at::Tensor& t, int64_t graph_id, int64_t id)
+{
+    DSZ_LOCK;
+    return offloadFor(graph_id, "wait_reload").waitReload(id, t, profiling_, "wait_reload");
+}
+
+void Runtime::offloadParameter(int64_t graph_id, int64_t ds_id)
+{
+    DSZ_LOCK;
+    const char* op = "offload_parameter";
+    ParamEntry& p = member(executor(graph_id, op), ds_id, op);
+    if (!p.reloaded.defined()) { return; }
+    auto ready = device_->newEvent();
+    ready->record(StreamRole::Compute);
+    ready->block(StreamRole::Offload);
+    {
+        auto scope = device_->use(StreamRole::Offload);
+        p.shard.copy_(p.reloaded, /*non_blocking=*/true);
+        device_->recordStream(p.reloaded, StreamRole::Offload);
+    }
+    p.reloaded = at::Tensor();
+    p.reload_done.reset();
+    p.offload_done = device_->newEvent();
+    p.offload_done->record(StreamRole::Offload);
+}
+
+void Runtime::reloadParameter(int64_t graph_id, int64_t ds_id)
+{
+    DSZ_LOCK;
+    const char* op = "reload_parameter";
+    ParamEntry& p = member(executor(graph_id, op), ds_id, op);
+    const c10::Device dev = device_->computeDevice();
+    if (p.shard.device() == dev) { return; }  // resident already
+    auto ready = device_->newEvent();
+    ready->record(StreamRole::Compute);
+    ready->block(StreamRole::Reload);
+    {
+        auto scope = device_->use(StreamRole::Reload);
+        p.reloaded = p.shard.to(dev, /*non_blocking=*/true);
+    }
+    p.offload_done.reset();
+    p.reload_done = device_->newEvent();
+    p.reload_done->record(StreamRole::Reload);
+}
+
+at::Tensor Runtime::gatheredMeta(int64_t ds_id, std::optional<at::ScalarType> dtype)
+{
+    DSZ_LOCK;
+    return Gatherer::metaOf(registry_.get(ds_id, "allgather_param (meta)"), dtype);
+}
+
+// ---------------------------------------------------------------- introspection
+
+CommStats Runtime::stats()
+{
+    DSZ_LOCK;
+    return stats_;
+}
+
+void Runtime::resetStats()
+{
+    DSZ_LOCK;
+    stats_ = CommStats();
+}
+
+Runtime::ParamState Runtime::paramState(int64_t ds_id)
+{
+    DSZ_LOCK;
+    const ParamEntry& p = registry_.get(ds_id, "param_state");
+    return ParamState{p.frozen,
+                      p.persistent,
+                      p.partitioned,
+                      p.has_gathered && p.gathered.defined(),
+                      p.valid,
+                      p.grad_accumulated,
+                      p.numel,
+                      p.shard.numel(),
+                      p.grad_buffer.defined() ? p.grad_buffer.numel() : 0};
+}
+
+std::vector<int64_t> Runtime::graphIds()
+{
+    DSZ_LOCK;
+    std::vector<int64_t> ids;
+    for (const auto& [id, ex] : executors_) { ids.push_back(id); }
+    return ids;
+}
+
+size_t Runtime::pendingGradients()
+{
+    DSZ_LOCK;
+    return reducer_.pending();
+}
+
+// ---------------------------------------------------------------- the process-wide instance
+
+namespace current_runtime {
+namespace {
+// Deliberately a raw pointer: nothing is destroyed by static destructors at exit, where a
+// process group torn down after its backend can abort the process. cleanup() frees it.
+Runtime* g_runtime = nullptr;
+}  // namespace
+
+Runtime& get(const char* op)
+{
+    DSZ_CHECK(g_runtime != nullptr, op,
+              "the runtime is not initialized: call init(process_group, config, bucket_size) "
+              "first (DeepSpeed does this in engine.compile()), or it was ended by cleanup()");
+    return *g_runtime;
+}
+
+Runtime* tryGet() { return g_runtime; }
+
+void replace(std::unique_ptr<Runtime> runtime)
+{
+    destroy();
+    g_runtime = runtime.release();
+}
+
+void destroy()
+{
+    Runtime* old = g_runtime;
+    g_runtime = nullptr;
+    delete old;
+}
+
+}  // namespace current_runtime
+
+}  // namespace dsz

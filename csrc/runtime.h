@@ -1,0 +1,131 @@
+// The one object init() creates and cleanup() ends. It owns the collectives, the device streams,
+// the parameter registry, the graph executors and the reduce buckets; every dc op and module
+// function is a method here. Device-independent: the backends are handed in.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/collectives.h"
+#include "core/activation_offload.h"
+#include "core/executor.h"
+#include "core/gatherer.h"
+#include "core/grad_reducer.h"
+#include "core/param_registry.h"
+#include "core/stats.h"
+#include "device/device.h"
+
+namespace dsz {
+
+// DeepSpeed's compile config, as far as the native layer reads it.
+struct RuntimeConfig {
+    int64_t reduce_bucket_size = 500000000;  // elements per dtype bucket
+    bool double_buffer = true;
+    bool symmetric_memory = false;  // accepted; gathers always go through the collectives backend
+    int64_t free_activation_threshold = 0;
+    bool sync_before_reduce = false;
+    bool sync_after_reduce = false;
+    bool sync_before_allgather = false;
+    bool sync_after_allgather = false;
+    bool offload_activation_pin_memory = true;
+};
+
+class Runtime {
+public:
+    Runtime(std::unique_ptr<Collectives> comm,
+            std::unique_ptr<DeviceBackend> device,
+            RuntimeConfig config);
+    ~Runtime();
+
+    // --- module functions (DeepSpeed's names in the comments) ---
+    void registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape, const at::Tensor& shard,
+                         const at::Tensor& grad_buffer, bool persistent,
+                         std::optional<at::ScalarType> expected_grad_dtype);  // register_z3_param
+    void registerParam(int64_t ds_id, const std::vector<int64_t>& shape, const at::Tensor& param,
+                       const at::Tensor& grad_buffer, int64_t offset);  // register_param (Z1/2)
+    void updateParamGradBuffer(int64_t ds_id, const at::Tensor& grad_buffer, int64_t offset);
+    void registerGraph(int64_t graph_id, const std::vector<int64_t>& ds_ids, ZeroStage stage);
+    void setPersistent(int64_t ds_id);
+    void setParamFrozen(int64_t ds_id, bool frozen);
+    bool isParamFrozen(int64_t ds_id);
+    void startForward();
+    void endForward();
+    void startBackward(bool update);
+    void reset();  // drops the graph executors (DeepSpeed recompiles); params stay
+    void enableProfiling(bool enable);
+    bool isProfiling();
+    void invalidateGatheredParam(int64_t ds_id);
+    void clearAllGatheredParams();
+
+    // --- dc ops ---
+    at::Tensor allgatherParam(int64_t graph_id, int64_t ds_id, std::optional<at::ScalarType> dtype);
+    void prefetchParamsFused(int64_t graph_id, const std::vector<int64_t>& ds_ids,
+                             const std::optional<std::vector<at::ScalarType>>& dtypes);
+    void waitAllgather(int64_t graph_id, int64_t ds_id);
+    void releaseParam(int64_t graph_id, int64_t ds_id, int64_t n_users);
+    void reduceGrad(int64_t graph_id, int64_t ds_id, const at::Tensor& grad);
+    void endBackward(int64_t graph_id, bool release_reduce_buckets);
+    void freeTensors(const std::vector<at::Tensor>& tensors);
+    at::Tensor offloadTensor(const at::Tensor& t, int64_t graph_id, int64_t id);
+    at::Tensor reloadTensor(int64_t graph_id, int64_t id);
+    at::Tensor waitOffload(int64_t graph_id, int64_t id);
+    at::Tensor waitReload(const at::Tensor& t, int64_t graph_id, int64_t id);
+    void offloadParameter(int64_t graph_id, int64_t ds_id);
+    void reloadParameter(int64_t graph_id, int64_t ds_id);
+    at::Tensor gatheredMeta(int64_t ds_id, std::optional<at::ScalarType> dtype);
+
+    // --- introspection ---
+    int64_t rank() const { return comm_->rank(); }
+    int64_t worldSize() const { return comm_->worldSize(); }
+    const char* commName() const { return comm_->name(); }
+    const char* deviceName() const { return device_->name(); }
+    CommStats stats();
+    void resetStats();
+    // A snapshot of one param's state (for tests and diagnostics).
+    struct ParamState {
+        bool frozen, persistent, partitioned, gathered, valid, grad_accumulated;
+        int64_t numel, shard_numel, grad_numel;
+    };
+    ParamState paramState(int64_t ds_id);
+    std::vector<int64_t> graphIds();
+    size_t pendingGradients();
+
+    // The lock every entry point takes (autograd may call from its own thread).
+    std::mutex& mutex() { return mutex_; }
+
+private:
+    GraphExecutor& executor(int64_t graph_id, const char* op);
+    ParamEntry& member(GraphExecutor& ex, int64_t ds_id, const char* op);
+    ActivationOffload& offloadFor(int64_t graph_id, const char* op);
+
+    std::unique_ptr<Collectives> comm_;
+    std::unique_ptr<DeviceBackend> device_;
+    RuntimeConfig config_;
+    CommStats stats_;
+    ParamRegistry registry_;
+    Gatherer gatherer_;
+    GradReducer reducer_;
+    std::map<int64_t, GraphExecutor> executors_;
+    std::map<int64_t, ActivationOffload> offloads_;
+    bool profiling_ = false;
+    bool updating_ = false;       // the current backward ends an accumulation window
+    bool window_closed_ = true;   // the previous backward ended one: gradients start afresh
+    std::mutex mutex_;
+};
+
+// The process-wide runtime: created by init(), destroyed by cleanup().
+namespace current_runtime {
+// Throws naming `op` when init() has not been called.
+Runtime& get(const char* op);
+Runtime* tryGet();
+void replace(std::unique_ptr<Runtime> runtime);  // destroys the previous one first
+void destroy();
+}  // namespace current_runtime
+
+}  // namespace dsz

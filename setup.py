@@ -1,0 +1,109 @@
+"""Build of ds_z3native: the native extension ds_z3native._C plus the Python package.
+
+The flavour is chosen here, once, at install time (never at run time):
+  * CUDA (NCCL collectives, CUDA streams) when torch was built with CUDA and CUDA_HOME exists,
+  * CPU (c10d/gloo collectives, host streams) otherwise.
+DS_Z3NATIVE_CUDA=0|1 overrides the choice; DEBUG=1 builds with -O0 -g.
+Build against the torch you run with:  pip install --no-build-isolation -e .
+"""
+
+import glob
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:  # pragma: no cover - a build-time message
+    sys.exit("ds_z3native builds against your installed torch: install torch first, then "
+             "run `pip install --no-build-isolation -e .`")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(HERE, "csrc")
+
+
+def want_cuda() -> bool:
+    flag = os.environ.get("DS_Z3NATIVE_CUDA")
+    if flag is not None:
+        if flag not in ("0", "1"):
+            sys.exit(f"DS_Z3NATIVE_CUDA must be 0 or 1, got {flag!r}")
+        if flag == "1" and not (torch.version.cuda and cpp_extension.CUDA_HOME):
+            sys.exit("DS_Z3NATIVE_CUDA=1 but torch has no CUDA or CUDA_HOME is not set "
+                     f"(torch.version.cuda={torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME})")
+        return flag == "1"
+    return bool(torch.version.cuda and cpp_extension.CUDA_HOME)
+
+
+def find_nccl():
+    """Include and library dirs of NCCL: $NCCL_HOME, the nvidia-nccl wheel torch uses, CUDA_HOME."""
+    roots = [os.environ.get("NCCL_HOME")]
+    try:
+        import nvidia.nccl  # the wheel torch's CUDA builds depend on
+
+        roots += list(nvidia.nccl.__path__)
+    except ImportError:
+        pass
+    roots += [cpp_extension.CUDA_HOME, "/usr", "/usr/local"]
+    for root in filter(None, roots):
+        inc = os.path.join(root, "include")
+        if os.path.exists(os.path.join(inc, "nccl.h")):
+            for lib in ("lib", "lib64", "lib/x86_64-linux-gnu"):
+                libdir = os.path.join(root, lib)
+                found = sorted(glob.glob(os.path.join(libdir, "libnccl.so*")))
+                if found:
+                    return inc, libdir, os.path.basename(found[0])
+    sys.exit("CUDA build: nccl.h / libnccl.so not found; set NCCL_HOME or build the CPU flavour "
+             "with DS_Z3NATIVE_CUDA=0")
+
+
+def extension():
+    cuda = want_cuda()
+    sources = sorted(
+        glob.glob(os.path.join("csrc", "core", "*.cpp"))
+        + ["csrc/comm/c10d_collectives.cpp", "csrc/device/host_device.cpp", "csrc/runtime.cpp",
+           "csrc/backends.cpp", "csrc/bindings.cpp", "csrc/ops/schema.cpp", "csrc/ops/kernels.cpp",
+           "csrc/ops/register_cpu.cpp", "csrc/ops/register_meta.cpp"])
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if cuda else ""
+    macros = [
+        ("DSZ_TORCH_VERSION", f'"{torch.__version__}"'),
+        ("DSZ_ARCH_LIST", f'"{arch_list}"'),
+    ]
+    debug = os.environ.get("DEBUG") == "1"
+    cxx = ["-O0", "-g"] if debug else ["-O2", "-DNDEBUG"]
+    cxx += ["-Wall", "-Wno-unused-parameter"]
+    kwargs = dict(include_dirs=[CSRC], extra_compile_args={"cxx": cxx})
+    if not cuda:
+        return cpp_extension.CppExtension("ds_z3native._C", sources, define_macros=macros, **kwargs)
+    sources += ["csrc/comm/nccl_collectives.cpp", "csrc/device/cuda_device.cpp",
+                "csrc/ops/register_cuda.cpp"]
+    nccl_inc, nccl_lib, nccl_so = find_nccl()
+    macros.append(("DSZ_WITH_CUDA", None))
+    kwargs["include_dirs"].append(nccl_inc)
+    kwargs["extra_compile_args"]["nvcc"] = ["-O2"]
+    return cpp_extension.CUDAExtension(
+        "ds_z3native._C", sources, define_macros=macros, library_dirs=[nccl_lib],
+        extra_link_args=[f"-l:{nccl_so}", f"-Wl,-rpath,{nccl_lib}"], **kwargs)
+
+
+os.environ.setdefault("MAX_JOBS", str(max(1, os.cpu_count() or 1)))
+
+setup(
+    name="ds_z3native",
+    version="0.1.0",
+    description="DeepSpeed ZeRO-3 for models with frozen parameters: a hardened, prebuilt "
+                "DeepCompile native op and version-gated fixes",
+    package_dir={"": "python"},
+    packages=find_packages("python"),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.6"],
+    extras_require={
+        "test": ["pytest>=7", "expecttest", "deepspeed>=0.19.0,<0.20"],
+        "demo": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12", "tqdm>=4.60"],
+    },
+    entry_points={"console_scripts": ["ds-z3native=ds_z3native.cli:main"]},
+    zip_safe=False,
+)

@@ -1,0 +1,104 @@
+"""Run a function on N real ranks (one process each) over a gloo process group.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh interpreters (spawn), sets the
+launcher environment DeepSpeed expects (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT,
+DS_ACCELERATOR=cpu), initializes ``torch.distributed`` with gloo, calls ``fn(rank, world_size,
+*args)`` and returns the per-rank return values (which must pickle). A rank's exception is
+re-raised in the parent with that rank's traceback; a hang fails after ``timeout`` seconds.
+``fn`` must be importable by name (a module-level function in a test module).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks", "free_port", "run_python", "RankFailed"]
+
+
+class RankFailed(AssertionError):
+    """A rank raised, died or hung."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
+               env: Dict[str, str], out_dir: str, init_pg: bool) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    result: Dict[str, Any]
+    try:
+        if init_pg:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        result = {"ok": True, "value": value}
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = {"ok": False, "error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    try:
+        import torch.distributed as dist
+
+        if init_pg and dist.is_initialized() and result["ok"]:
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown only
+        pass
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, env: Optional[Dict[str, str]] = None,
+              timeout: float = 300.0, init_pg: bool = True) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_rank_main, nprocs=world_size, join=False, start_method="spawn",
+                                 args=(world_size, free_port(), fn, args, dict(env or {}), out_dir,
+                                       init_pg))
+        try:
+            while not ctx.join(timeout=timeout):
+                pass
+        except mp.ProcessRaisedException as e:  # pragma: no cover - fn errors are pickled
+            raise RankFailed(str(e)) from None
+        except mp.ProcessExitedException as e:
+            raise RankFailed(f"a rank died: {e}") from None
+        except Exception as e:  # noqa: BLE001
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise RankFailed(f"ranks did not finish: {e}") from None
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                raise RankFailed(f"rank {rank} left no result (hung or killed)")
+            with open(path, "rb") as f:
+                r = pickle.load(f)
+            if not r["ok"]:
+                raise RankFailed(f"rank {rank} failed:\n{r['error']}")
+            results.append(r["value"])
+        return results
+
+
+def run_python(code: str, timeout: float = 120.0, env: Optional[Dict[str, str]] = None
+               ) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (for cases that may abort the process)."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env=full_env)

@@ -1,7 +1,7 @@
 // CUDA streams and events for the runtime's stream roles. Compute is the stream current when an
 // op is entered; the other roles are high-priority pool streams owned by this object.
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -16,15 +16,22 @@ namespace {
 
 class CudaDevice;
 
+// A CUDA event created on first record; blocking on a never-recorded event waits for nothing.
 class CudaEvent final : public Event {
 public:
-    explicit CudaEvent(CudaDevice& dev) : dev_(dev), event_(cudaEventDisableTiming) {}
+    explicit CudaEvent(CudaDevice& dev) : dev_(dev) {}
+    ~CudaEvent() override
+    {
+        if (event_ != nullptr) { cudaEventDestroy(event_); }
+    }
+    CudaEvent(const CudaEvent&) = delete;
+    CudaEvent& operator=(const CudaEvent&) = delete;
     void record(StreamRole role) override;
     void block(StreamRole role) override;
 
 private:
     CudaDevice& dev_;
-    at::cuda::CUDAEvent event_;
+    cudaEvent_t event_ = nullptr;
 };
 
 class CudaScope final : public StreamScope {
@@ -71,8 +78,21 @@ private:
     std::array<std::optional<c10::cuda::CUDAStream>, 6> streams_;
 };
 
-void CudaEvent::record(StreamRole role) { event_.record(dev_.stream(role)); }
-void CudaEvent::block(StreamRole role) { event_.block(dev_.stream(role)); }
+void CudaEvent::record(StreamRole role)
+{
+    c10::cuda::CUDAStream s = dev_.stream(role);
+    c10::cuda::CUDAGuard guard(s.device_index());
+    if (event_ == nullptr) { C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
+    C10_CUDA_CHECK(cudaEventRecord(event_, s.stream()));
+}
+
+void CudaEvent::block(StreamRole role)
+{
+    if (event_ == nullptr) { return; }
+    c10::cuda::CUDAStream s = dev_.stream(role);
+    c10::cuda::CUDAGuard guard(s.device_index());
+    C10_CUDA_CHECK(cudaStreamWaitEvent(s.stream(), event_, 0));
+}
 
 }  // namespace
 

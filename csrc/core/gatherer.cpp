@@ -68,9 +68,12 @@ at::Tensor Gatherer::gather(ParamEntry& p, std::optional<at::ScalarType> dtype, 
               " was registered with register_param (ZeRO-1/2) and is not partitioned");
     const at::ScalarType target = dtype.value_or(p.shard.scalar_type());
     if (p.valid && p.gathered.defined()) {
-        // A persistent copy is kept in the dtype it was first gathered in.
+        // A persistent copy is kept in the dtype it was first gathered in. Converting reads it
+        // on the compute stream, so a gather still in flight must finish first.
         at::Tensor full = fullView(p, p.gathered);
-        return full.scalar_type() == target ? full : full.to(target);
+        if (full.scalar_type() == target) { return full; }
+        wait(p);
+        return full.to(target);
     }
     // The compute stream may still read an old copy that the gather overwrites.
     compute_ready_->record(StreamRole::Compute);

@@ -1,0 +1,83 @@
+"""A live ds_z3native runtime inside the test process, and the ZeRO-3 shard arithmetic tests need.
+
+``local_group()`` returns a one-rank gloo ProcessGroup of this process (initializing a one-rank
+default group on first use, so nothing outside the process is needed). ``live_runtime()`` runs
+``init`` over it and ``cleanup`` at the end. ``padded_shard`` / ``unpad`` are the reference
+partition arithmetic (equal shards of ceil(numel / world_size), zero padding at the tail),
+written out here independently of the C++ so that tests compare against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["local_group", "compile_config", "live_runtime", "per_rank", "padded_shard",
+           "padded_full"]
+
+_GROUP: Optional[Any] = None
+
+
+def local_group() -> Any:
+    """A one-rank gloo ProcessGroup (cached for the whole test process)."""
+    global _GROUP
+    if _GROUP is None:
+        if not dist.is_initialized():
+            from helpers.dist import free_port
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                    rank=0, world_size=1)
+        if dist.get_world_size() != 1:
+            raise RuntimeError("local_group() needs a one-rank process (the default group has "
+                               f"{dist.get_world_size()} ranks)")
+        _GROUP = dist.new_group(backend="gloo")
+    return _GROUP
+
+
+def compile_config(**overrides: Any) -> types.SimpleNamespace:
+    """An object with the attributes DeepSpeed 0.19.0-0.19.7's CompileConfig has that init reads
+    (no ``offload_activation_pin_memory``: 0.19.8 added it)."""
+    values = dict(double_buffer=True, symmetric_memory=False, free_activation_threshold=0,
+                  sync_before_reduce=False, sync_after_reduce=False, sync_before_allgather=False,
+                  sync_after_allgather=False)
+    values.update(overrides)
+    return types.SimpleNamespace(**values)
+
+
+@contextlib.contextmanager
+def live_runtime(config: Any = None, bucket_size: int = 1 << 16, group: Any = None
+                 ) -> Iterator[Any]:
+    """``init`` the native runtime over ``group`` (default: ``local_group()``); ``cleanup`` after."""
+    import ds_z3native
+
+    m = ds_z3native.native()
+    m.init(group if group is not None else local_group(),
+           config if config is not None else compile_config(), bucket_size)
+    try:
+        yield m
+    finally:
+        m.cleanup()
+
+
+def per_rank(numel: int, world_size: int) -> int:
+    """Elements of one ZeRO-3 shard, padding included."""
+    return math.ceil(numel / world_size)
+
+
+def padded_full(full: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``full`` flattened and zero-padded to world_size * ceil(numel / world_size) elements."""
+    flat = full.detach().reshape(-1)
+    out = torch.zeros(per_rank(flat.numel(), world_size) * world_size, dtype=flat.dtype)
+    out[: flat.numel()] = flat
+    return out
+
+
+def padded_shard(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s ZeRO-3 shard of ``full`` (a copy), padding zeroed."""
+    n = per_rank(full.numel(), world_size)
+    return padded_full(full, world_size)[rank * n:(rank + 1) * n].clone()

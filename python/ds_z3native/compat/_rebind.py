@@ -1,0 +1,58 @@
+"""Replace a function everywhere DeepSpeed holds it, and put it back."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+from typing import Callable, List, Sequence
+
+from . import Undo
+
+__all__ = ["wrap_function"]
+
+log = logging.getLogger(__name__)
+
+
+def wrap_function(owners: Sequence[ModuleType], attr: str,
+                  make_wrapper: Callable[[Callable], Callable]) -> Undo:
+    """Replace ``owners[0].<attr>`` by ``make_wrapper(original)`` in every owner that holds the
+    same function object (a module that did ``from x import attr`` holds its own reference).
+
+    The undo restores the original in each owner that still holds the wrapper; an owner where
+    someone replaced the wrapper since is left alone (with a warning), so their change survives.
+    """
+    original = getattr(owners[0], attr)
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    patched: List[ModuleType] = []
+    for owner in owners:
+        if getattr(owner, attr, None) is original and owner not in patched:
+            setattr(owner, attr, wrapper)
+            patched.append(owner)
+
+    def undo() -> None:
+        for owner in patched:
+            if getattr(owner, attr, None) is wrapper:
+                setattr(owner, attr, original)
+            else:
+                log.warning("%s.%s was replaced after ds_z3native patched it; leaving the newer "
+                            "object in place", owner.__name__, attr)
+
+    return undo
+
+
+def when_module_imported(module_name: str, apply: Callable[[], Undo]) -> Undo:
+    """Run ``apply`` now if ``module_name`` is imported, else right after DeepSpeed imports it
+    (so that patching a lazily imported module does not import it early). The undo removes the
+    pending hook, or undoes what ``apply`` did."""
+    from ds_z3native_autoload import when_imported
+
+    applied: List[Undo] = []
+    cancel = when_imported(module_name, lambda _module: applied.append(apply()))
+
+    def undo() -> None:
+        cancel()
+        while applied:
+            applied.pop()()
+
+    return undo

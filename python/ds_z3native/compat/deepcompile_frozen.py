@@ -1,0 +1,154 @@
+"""DeepCompile ZeRO-3 with frozen params (requires_grad=False): fixes of ``init_z3``.
+
+``deepspeed/compile/init_z3.py: init_z3(engine, ...)`` registers every module parameter with the
+native op, passing the param's slot of the optimizer's gradient partition
+(``optimizer.__param_id_to_grad_partition[ds_id]``). That map is built from the optimizer's
+trainable param groups only.
+
+* :data:`FROZEN_GRAD_BUFFER` (DeepSpeed 0.19.0 – 0.19.5): those releases look the slot up for every
+  param, so the first frozen param raises ``KeyError: <ds_id>`` at ``engine.compile()``. 0.19.6
+  passes an empty tensor for ``requires_grad=False`` params instead; this patch gives the older
+  releases the same: while ``init_z3`` runs, the optimizer's map answers an empty tensor for the
+  ds_ids of frozen params (the map itself is not changed, and is put back when init_z3 returns).
+* :data:`DECLARE_FROZEN` (every release): after init_z3 has registered the params, each frozen one
+  is declared frozen to the native layer with ``set_param_frozen(ds_id, True)``, so frozenness
+  is a recorded fact and not only inferred from an empty buffer (a param frozen after
+  ``deepspeed.initialize`` still has its slot on 0.19.0 – 0.19.5).
+
+A param that is frozen at ``engine.compile()`` and unfrozen later has no gradient buffer. Its
+first gradient reaches ``dc::reduce_grad`` (DeepCompile recompiles the graph when requires_grad
+changes, and its backward pass adds a reduce for every param with a gradient), where the native
+layer raises an error naming the ds_id instead of dropping the gradient. DeepSpeed's Python does
+not intercept it: the graph profiler swallows exceptions, but reduce_grad does nothing while it
+profiles, so the error comes from the real backward. No patch is needed for that; the tests pin it.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+from types import ModuleType
+from typing import Any, Callable, Collection, Dict, List
+
+from packaging.version import Version
+
+from . import Patch, Undo
+from ._rebind import when_module_imported, wrap_function
+
+__all__ = ["FROZEN_GRAD_BUFFER", "DECLARE_FROZEN", "PATCHES", "init_z3_owners",
+           "patch_frozen_grad_buffer", "patch_declare_frozen"]
+
+log = logging.getLogger(__name__)
+
+# DeepSpeedZeroOptimizer_Stage3.__param_id_to_grad_partition, as Python mangles it.
+_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+
+_INIT_Z3_MODULE = "deepspeed.compile.init_z3"
+
+
+def init_z3_owners() -> List[ModuleType]:
+    """Modules holding DeepSpeed's ``init_z3``: its own module and, in releases that import it at
+    module level (0.19.2 does; 0.19.8 imports it inside ``engine.compile()``),
+    ``deepspeed.runtime.engine``."""
+    return [importlib.import_module(_INIT_Z3_MODULE),
+            importlib.import_module("deepspeed.runtime.engine")]
+
+
+def _wrap_init_z3(make_wrapper: Callable[[Callable], Callable]) -> Undo:
+    # init_z3's module is heavy (it imports the compile passes and inductor) and 0.19.8 imports it
+    # only at engine.compile(): patch it when it is imported, never import it early.
+    return when_module_imported(_INIT_Z3_MODULE,
+                                lambda: wrap_function(init_z3_owners(), "init_z3", make_wrapper))
+
+
+def _frozen_ds_ids(engine: Any) -> List[int]:
+    return [p.ds_id for p in engine.module.parameters() if not p.requires_grad]
+
+
+class _GradPartitionsWithFrozen(collections.UserDict):
+    """The optimizer's ds_id -> grad partition map (shared, not copied), answering an empty
+    tensor for frozen params, as DeepSpeed >= 0.19.6 registers them."""
+
+    def __init__(self, table: Dict[int, Any], frozen: Collection[int]) -> None:
+        super().__init__()
+        self.data = table  # reads and writes reach the optimizer's own dict
+        self._frozen = frozenset(frozen)
+
+    def __getitem__(self, ds_id: int) -> Any:
+        if ds_id in self._frozen:
+            import torch
+
+            return torch.Tensor()
+        return self.data[ds_id]
+
+
+def _with_frozen_grad_buffers(init_z3: Callable) -> Callable:
+    def init_z3_with_frozen_grad_buffers(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        optimizer = getattr(engine, "optimizer", None)
+        table = getattr(optimizer, _GRAD_PARTITIONS, None)
+        if not isinstance(table, dict):  # no ZeRO-3 optimizer: init_z3 passes empty buffers itself
+            return init_z3(engine, *args, **kwargs)
+        frozen = _frozen_ds_ids(engine)
+        setattr(optimizer, _GRAD_PARTITIONS, _GradPartitionsWithFrozen(table, frozen))
+        try:
+            return init_z3(engine, *args, **kwargs)
+        finally:
+            setattr(optimizer, _GRAD_PARTITIONS, table)
+
+    return init_z3_with_frozen_grad_buffers
+
+
+def patch_frozen_grad_buffer() -> Undo:
+    """init_z3 registers frozen params with an empty grad buffer instead of raising KeyError."""
+    return _wrap_init_z3(_with_frozen_grad_buffers)
+
+
+def _declaring_frozen(init_z3: Callable) -> Callable:
+    def init_z3_declaring_frozen(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        result = init_z3(engine, *args, **kwargs)
+        from deepspeed.compile import util
+
+        handle = util.get_deepcompile_handle()
+        if not hasattr(handle, "set_param_frozen"):
+            # Only reachable if someone swapped the handle after install(); DeepSpeed's own op
+            # has no frozen flag to set.
+            log.warning("the DeepCompile handle is %r, not ds_z3native's: frozen params are not "
+                        "declared", handle)
+            return result
+        frozen = _frozen_ds_ids(engine)
+        for ds_id in frozen:
+            handle.set_param_frozen(ds_id, True)
+        log.debug("declared %d frozen params to the native layer", len(frozen))
+        return result
+
+    return init_z3_declaring_frozen
+
+
+def patch_declare_frozen() -> Undo:
+    """After init_z3, each requires_grad=False param is declared frozen with set_param_frozen."""
+    return _wrap_init_z3(_declaring_frozen)
+
+
+FROZEN_GRAD_BUFFER = Patch(
+    name="deepcompile-z3-frozen-grad-buffer",
+    summary="init_z3 registers requires_grad=False params with an empty grad buffer "
+            "(DeepSpeed < 0.19.6 raises KeyError at engine.compile())",
+    apply=patch_frozen_grad_buffer,
+    first=Version("0.19.0"),
+    last=Version("0.19.5"),
+)
+
+DECLARE_FROZEN = Patch(
+    name="deepcompile-z3-declare-frozen",
+    summary="after init_z3, every requires_grad=False param is declared frozen to the native "
+            "layer (set_param_frozen), not only inferred from an empty buffer",
+    apply=patch_declare_frozen,
+    first=Version("0.19.0"),
+    last=None,
+)
+
+# Applied in this order (DECLARE_FROZEN wraps the KeyError fix, so it runs after a successful
+# registration); undone in reverse.
+PATCHES: List[Patch] = [FROZEN_GRAD_BUFFER, DECLARE_FROZEN]

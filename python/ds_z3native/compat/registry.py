@@ -1,0 +1,54 @@
+"""Every patch of DeepSpeed's Python side that ``install()`` knows, in the order it applies them.
+
+* ``deepcompile_frozen``: DeepCompile ZeRO-3 ``init_z3`` with frozen params.
+* ``checkpoint_recompute`` (optional module ``ds_z3native.compat.checkpoint_recompute``, its
+  ``PATCHES``): eager ZeRO-3 with activation checkpointing of frozen params. Imported lazily; its
+  absence is tolerated, an error while importing it is not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from typing import List
+
+from packaging.version import Version
+
+from . import Patch
+
+__all__ = ["OPTIONAL_MODULES", "all_patches", "patches_for"]
+
+log = logging.getLogger(__name__)
+
+OPTIONAL_MODULES = ("ds_z3native.compat.checkpoint_recompute",)
+
+
+def _optional_patches(module_name: str) -> List[Patch]:
+    if importlib.util.find_spec(module_name) is None:
+        log.debug("%s is not installed; its patches are skipped", module_name)
+        return []
+    patches = list(importlib.import_module(module_name).PATCHES)
+    bad = [p for p in patches if not isinstance(p, Patch)]
+    if bad:
+        raise TypeError(f"{module_name}.PATCHES holds non-Patch entries: {bad!r}")
+    return patches
+
+
+def all_patches() -> List[Patch]:
+    """Every known patch, whatever DeepSpeed version it targets."""
+    from . import deepcompile_frozen
+
+    patches = list(deepcompile_frozen.PATCHES)
+    for name in OPTIONAL_MODULES:
+        patches += _optional_patches(name)
+    names = [p.name for p in patches]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"two patches share a name: {duplicates}")
+    return patches
+
+
+def patches_for(version: Version) -> List[Patch]:
+    """The patches that target DeepSpeed ``version``, in application order."""
+    return [p for p in all_patches() if p.targets(version)]

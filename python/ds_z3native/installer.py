@@ -1,0 +1,240 @@
+"""Make DeepSpeed use ds_z3native's native op, and fix its Python side for frozen params.
+
+``install()``:
+
+1. checks the DeepSpeed version (:mod:`ds_z3native.compat.gate`): 0.19.0 – 0.19.8 supported,
+   0.18.x and older refused, newer allowed with a warning only if its op contract still matches;
+2. loads ``ds_z3native._C`` (which registers ``torch.ops.dc``), refusing if another library
+   already registered those ops;
+3. hands the module to every place DeepSpeed's loader looks: ``OpBuilder._loaded_ops["dc"]`` in
+   ``deepspeed.ops.op_builder.builder`` (and in a source checkout's top-level ``op_builder.builder``,
+   a second copy of the class), and ``deepspeed.compile.util.dc_handle``. From then on
+   ``get_deepcompile_handle()`` and ``DeepCompileBuilder().load()`` return it; nothing is built;
+4. applies the patches of :mod:`ds_z3native.compat.registry` that target that DeepSpeed version.
+
+``uninstall()`` undoes 4 and 3 in reverse order, restoring exactly what was there. ``installed()``
+says whether ``install()`` is in effect. Both are idempotent and thread-safe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ._native import DcNamespaceTaken, load
+from .compat import Undo, deepspeed_version
+from .compat.gate import UnsupportedDeepSpeed, Verdict, check_deepspeed_version
+
+__all__ = ["install", "uninstall", "installed", "InstallReport", "InstallError",
+           "UnsupportedDeepSpeed", "DcNamespaceTaken", "loader_status"]
+
+log = logging.getLogger(__name__)
+
+_OP_NAME = "dc"  # DeepCompileBuilder.NAME: the key of OpBuilder._loaded_ops
+
+
+class InstallError(RuntimeError):
+    """install() failed part-way; everything it had changed was undone."""
+
+
+@dataclass(frozen=True)
+class InstallReport:
+    """What ``install()`` did."""
+
+    deepspeed_version: str
+    verdict: str  # "supported" or "newer-compatible"
+    loader_sites: Tuple[str, ...]  # where DeepSpeed's loader now finds our module
+    patches: Tuple[str, ...]  # names of the applied compat patches, in order
+
+
+@dataclass
+class _State:
+    report: InstallReport
+    undos: List[Tuple[str, Undo]]  # applied in this order, undone in reverse
+
+
+_lock = threading.RLock()
+_state: Optional[_State] = None
+_MISSING = object()
+
+
+# ---- where DeepSpeed's loader looks ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Site:
+    name: str
+    get: Callable[[], Any]  # current value, or _MISSING
+    put: Callable[[Any], None]  # set a value; _MISSING removes it
+
+
+def _loaded_ops_site(builder_module: ModuleType, label: str) -> _Site:
+    table: Dict[str, Any] = builder_module.OpBuilder._loaded_ops
+
+    def put(value: Any) -> None:
+        if value is _MISSING:
+            table.pop(_OP_NAME, None)
+        else:
+            table[_OP_NAME] = value
+
+    return _Site(f"{label}.OpBuilder._loaded_ops[{_OP_NAME!r}]",
+                 lambda: table.get(_OP_NAME, _MISSING), put)
+
+
+def _attr_site(module: ModuleType, attr: str) -> _Site:
+    def put(value: Any) -> None:
+        setattr(module, attr, None if value is _MISSING else value)
+
+    return _Site(f"{module.__name__}.{attr}", lambda: getattr(module, attr, _MISSING), put)
+
+
+def _source_checkout_builder() -> Optional[ModuleType]:
+    """A source checkout's top-level ``op_builder.builder``, when it is DeepSpeed's (DeepSpeed's
+    accelerators then build ops through it, with its own ``OpBuilder._loaded_ops``)."""
+    try:
+        if importlib.util.find_spec("op_builder") is None:
+            return None
+        top = importlib.import_module("op_builder")
+    except ImportError:
+        return None
+    if not getattr(top, "__deepspeed__", False):
+        return None  # some other project's op_builder
+    return importlib.import_module("op_builder.builder")
+
+
+def _sites() -> List[_Site]:
+    builder = importlib.import_module("deepspeed.ops.op_builder.builder")
+    sites = [_loaded_ops_site(builder, builder.__name__)]
+    top = _source_checkout_builder()
+    if top is not None and top.OpBuilder is not builder.OpBuilder:
+        sites.append(_loaded_ops_site(top, top.__name__))
+    util = importlib.import_module("deepspeed.compile.util")
+    sites.append(_attr_site(util, "dc_handle"))
+    return sites
+
+
+def loader_status() -> Dict[str, bool]:
+    """For each place DeepSpeed's loader looks: whether it holds ds_z3native's module now."""
+    ours = load() if installed() else None
+    return {site.name: ours is not None and site.get() is ours for site in _sites()}
+
+
+def _describe(value: Any) -> str:
+    return f"{getattr(value, '__name__', value)!s} ({getattr(value, '__file__', 'no file')})"
+
+
+def _hand_over(module: ModuleType, site: _Site) -> Undo:
+    previous = site.get()
+    site.put(module)
+
+    def undo() -> None:
+        if site.get() is module:
+            site.put(previous)
+        else:
+            log.warning("%s was changed after install(); leaving it as it is", site.name)
+
+    return undo
+
+
+# ---- install / uninstall -----------------------------------------------------------------------
+
+def _load_native(sites: List[_Site]) -> ModuleType:
+    try:
+        return load()
+    except DcNamespaceTaken as e:
+        holders = [f"{s.name} = {_describe(v)}" for s in sites
+                   if (v := s.get()) is not _MISSING and v is not None]
+        where = ("; DeepSpeed's loader already holds " + ", ".join(holders)) if holders else ""
+        raise DcNamespaceTaken(
+            f"ds_z3native.install(): {e}{where}. Nothing was changed. Restart the process and "
+            "install ds_z3native before the first engine.compile() (or set DS_Z3NATIVE=1 so "
+            "it happens at `import deepspeed`).") from e
+
+
+def install() -> InstallReport:
+    """Make DeepSpeed's DeepCompile use ds_z3native's op and apply the version's patches.
+
+    Idempotent: a second call returns the first call's report. Raises
+    :class:`UnsupportedDeepSpeed` for a DeepSpeed outside the supported range (nothing changed),
+    :class:`DcNamespaceTaken` if another library registered ``torch.ops.dc`` first (nothing
+    changed), and :class:`InstallError` if a patch fails (everything undone).
+    """
+    global _state
+    with _lock:
+        if _state is not None:
+            log.debug("ds_z3native is already installed")
+            return _state.report
+        version = deepspeed_version()
+        gate = check_deepspeed_version(version)
+        if not gate.allowed:
+            raise UnsupportedDeepSpeed(gate.message)
+        if gate.verdict is Verdict.NEWER_COMPATIBLE:
+            log.warning(gate.message)
+        sites = _sites()
+        module = _load_native(sites)
+
+        from .compat.registry import patches_for
+
+        patches = patches_for(version)
+        undos: List[Tuple[str, Undo]] = []
+        try:
+            for site in sites:
+                undos.append((site.name, _hand_over(module, site)))
+            for patch in patches:
+                undos.append((patch.name, patch.apply()))
+                log.debug("applied %s: %s", patch.name, patch.summary)
+        except BaseException as e:
+            _undo_all(undos)
+            raise InstallError(f"ds_z3native.install() failed while applying "
+                               f"{_next_step(sites, patches, len(undos))} for DeepSpeed "
+                               f"{version}: {e}; every change was undone") from e
+        report = InstallReport(str(version), gate.verdict.value,
+                               tuple(s.name for s in sites), tuple(p.name for p in patches))
+        _state = _State(report, undos)
+        log.info("ds_z3native installed into DeepSpeed %s (%s build): loader sites %s; patches %s",
+                 version, module.build_info()["flavour"], ", ".join(report.loader_sites),
+                 ", ".join(report.patches) or "none")
+        return report
+
+
+def _next_step(sites: List[_Site], patches: List[Any], done: int) -> str:
+    if done < len(sites):
+        return f"loader site {sites[done].name}"
+    return f"patch {patches[done - len(sites)].name}"
+
+
+def _undo_all(undos: List[Tuple[str, Undo]]) -> None:
+    errors = []
+    for name, undo in reversed(undos):
+        try:
+            undo()
+        except Exception as e:  # noqa: BLE001 - undo the rest, then report
+            errors.append(f"{name}: {e}")
+    if errors:
+        raise InstallError("could not undo " + "; ".join(errors))
+
+
+def uninstall() -> None:
+    """Undo ``install()``: remove the patches and give DeepSpeed's loader back what it held.
+
+    Idempotent. ``torch.ops.dc`` stays registered by ``ds_z3native._C`` for the life of the
+    process (a loaded extension cannot be unloaded), so DeepSpeed's own dc op cannot be loaded in
+    this process afterwards: loading it would abort on the duplicate registration.
+    """
+    global _state
+    with _lock:
+        if _state is None:
+            return
+        state, _state = _state, None
+        _undo_all(state.undos)
+        log.info("ds_z3native uninstalled; torch.ops.dc stays registered by ds_z3native._C until "
+                 "the process exits")
+
+
+def installed() -> bool:
+    """Whether ``install()`` is in effect in this process."""
+    return _state is not None

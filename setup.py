@@ -12,6 +12,7 @@ import os
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 try:
     import torch
@@ -87,6 +88,46 @@ def extension():
         extra_link_args=[f"-l:{nccl_so}", f"-Wl,-rpath,{nccl_lib}"], **kwargs)
 
 
+def autoload_pth():
+    """(file name, line) of the start-up hook, as python/ds_z3native_autoload.py defines them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_dsz_autoload", os.path.join(HERE, "python", "ds_z3native_autoload.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PTH_NAME, module.PTH_LINE
+
+
+class build_py_with_autoload(build_py):
+    """build_py that also puts ds_z3native_autoload.pth at the top of site-packages, where the
+    interpreter runs it at start-up (DS_Z3NATIVE=1 then hooks `import deepspeed`).
+
+    A wheel gets it at its root (pip installs it into site-packages and records it, so uninstall
+    removes it). An editable install (PEP 660) ignores build_lib, so there it is written to the
+    root of the editable wheel, which setuptools' editable_wheel exposes as install.install_lib.
+    """
+
+    def run(self):
+        super().run()
+        name, line = autoload_pth()
+        target = self._pth_dir()
+        self.mkpath(target)
+        with open(os.path.join(target, name), "w") as f:
+            f.write(line)
+
+    def _pth_dir(self):
+        if getattr(self, "editable_mode", False):
+            return self.get_finalized_command("install").install_lib
+        return self.build_lib
+
+    def get_outputs(self, include_bytecode=True):
+        outputs = super().get_outputs(include_bytecode)
+        if not getattr(self, "editable_mode", False):
+            outputs.append(os.path.join(self.build_lib, autoload_pth()[0]))
+        return outputs
+
+
 os.environ.setdefault("MAX_JOBS", str(max(1, os.cpu_count() or 1)))
 
 setup(
@@ -96,8 +137,9 @@ setup(
                 "DeepCompile native op and version-gated fixes",
     package_dir={"": "python"},
     packages=find_packages("python"),
+    py_modules=["ds_z3native_autoload"],
     ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    cmdclass={"build_ext": cpp_extension.BuildExtension, "build_py": build_py_with_autoload},
     python_requires=">=3.9",
     install_requires=["torch>=2.6"],
     extras_require={

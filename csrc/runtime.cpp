@@ -116,18 +116,17 @@ void Runtime::registerParam(int64_t ds_id, const std::vector<int64_t>& shape,
     e.layout = ShardLayout::of(e.numel, comm_->worldSize(), op);
     e.shard = param;
     e.partitioned = false;
-    registry_.put(std::move(e));
-    // The buffer checks are shared with update_param_grad_buffer.
-    ParamEntry& p = registry_.get(ds_id, op);
+    // Checked before the entry is stored: a refused call leaves the registry as it was.
     if (grad_buffer.defined() && grad_buffer.numel() > 0) {
         checkGradBuffer(grad_buffer, ds_id, op);
-        DSZ_CHECK(offset >= 0 && offset + grad_buffer.numel() <= p.numel, op, "ds_id ", ds_id,
+        DSZ_CHECK(offset >= 0 && offset + grad_buffer.numel() <= e.numel, op, "ds_id ", ds_id,
                   ": grad buffer of ", grad_buffer.numel(), " elements at offset ", offset,
-                  " does not fit a param of ", p.numel);
+                  " does not fit a param of ", e.numel);
         grad_buffer.zero_();
     }
-    p.grad_buffer = grad_buffer;
-    p.grad_offset = offset;
+    e.grad_buffer = grad_buffer;
+    e.grad_offset = offset;
+    registry_.put(std::move(e));
 }
 
 void Runtime::updateParamGradBuffer(int64_t ds_id, const at::Tensor& grad_buffer, int64_t offset)

@@ -9,6 +9,7 @@ Build against the torch you run with:  pip install --no-build-isolation -e .
 
 import glob
 import os
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
@@ -59,6 +60,45 @@ def find_nccl():
              "with DS_Z3NATIVE_CUDA=0")
 
 
+def shared_libstdcxx_args():
+    """Link the libstdc++ the interpreter (and torch) already loaded, as a shared library.
+
+    Some toolchains (a `g++` wrapper with its own -B search path, seen on the GPU host) resolve
+    -lstdc++ to a static archive. A static copy inside _C then formats numbers with its own
+    locale facets on streams built by the shared copy, and crashes (seen: every error message
+    with a number segfaulted). Naming the shared object first leaves nothing for the archive.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libstdc++.so" in line}
+    except OSError:
+        return []
+    for path in sorted(paths):
+        if os.path.exists(path):
+            return [f"-L{os.path.dirname(path)}", f"-l:{os.path.basename(path)}"]
+    return []
+
+
+class BuildExt(cpp_extension.BuildExtension):
+    """BuildExtension that refuses an extension carrying its own (static) copy of libstdc++."""
+
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        path = self.get_ext_fullpath(ext.name)
+        try:
+            out = subprocess.run(["nm", "--defined-only", path], capture_output=True, text=True,
+                                 check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            self.warn("nm not available: cannot check the extension for a static libstdc++")
+            return
+        if "_ZNSt6locale7classicEv" in out:
+            sys.exit(f"{path} contains a static copy of libstdc++ (std::locale::classic is defined "
+                     "inside it): the compiler linked libstdc++.a. Point CXX at a compiler that links "
+                     "the shared libstdc++ torch uses.")
+
+
 def extension():
     cuda = want_cuda()
     sources = sorted(
@@ -74,7 +114,8 @@ def extension():
     debug = os.environ.get("DEBUG") == "1"
     cxx = ["-O0", "-g"] if debug else ["-O2", "-DNDEBUG"]
     cxx += ["-Wall", "-Wno-unused-parameter"]
-    kwargs = dict(include_dirs=[CSRC], extra_compile_args={"cxx": cxx})
+    kwargs = dict(include_dirs=[CSRC], extra_compile_args={"cxx": cxx},
+                  extra_link_args=shared_libstdcxx_args())
     if not cuda:
         return cpp_extension.CppExtension("ds_z3native._C", sources, define_macros=macros, **kwargs)
     sources += ["csrc/comm/nccl_collectives.cpp", "csrc/device/cuda_device.cpp",
@@ -83,9 +124,9 @@ def extension():
     macros.append(("DSZ_WITH_CUDA", None))
     kwargs["include_dirs"].append(nccl_inc)
     kwargs["extra_compile_args"]["nvcc"] = ["-O2"]
+    kwargs["extra_link_args"] += [f"-l:{nccl_so}", f"-Wl,-rpath,{nccl_lib}"]
     return cpp_extension.CUDAExtension(
-        "ds_z3native._C", sources, define_macros=macros, library_dirs=[nccl_lib],
-        extra_link_args=[f"-l:{nccl_so}", f"-Wl,-rpath,{nccl_lib}"], **kwargs)
+        "ds_z3native._C", sources, define_macros=macros, library_dirs=[nccl_lib], **kwargs)
 
 
 def autoload_pth():

@@ -1,8 +1,8 @@
 """A live ds_z3native runtime inside the test process, and the ZeRO-3 shard arithmetic tests need.
 
-``local_group()`` returns a one-rank gloo ProcessGroup of this process (initializing a one-rank
-default group on first use, so nothing outside the process is needed). ``live_runtime()`` runs
-``init`` over it and ``cleanup`` at the end. ``padded_shard`` / ``unpad`` are the reference
+``local_group()`` returns a one-rank gloo ProcessGroup of this process (over an in-memory store,
+leaving torch.distributed's default group alone). ``live_runtime()`` runs
+``init`` over it and ``cleanup`` at the end. ``padded_full`` / ``padded_shard`` are the reference
 partition arithmetic (equal shards of ceil(numel / world_size), zero padding at the tail),
 written out here independently of the C++ so that tests compare against it.
 """
@@ -23,19 +23,36 @@ __all__ = ["local_group", "compile_config", "live_runtime", "per_rank", "padded_
 _GROUP: Optional[Any] = None
 
 
+def _standalone_gloo_group() -> Any:
+    # A ProcessGroup over an in-memory store: the process's default group (which other tests
+    # may want to create themselves) stays untouched.
+    store = dist.HashStore()
+    pg = dist.ProcessGroup(store, 0, 1)
+    backend = dist.ProcessGroupGloo(store, 0, 1)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return pg
+
+
 def local_group() -> Any:
-    """A one-rank gloo ProcessGroup (cached for the whole test process)."""
+    """A one-rank gloo ProcessGroup of this process (cached).
+
+    Built without the default group where torch allows it; otherwise through a one-rank
+    default group (initialized here if there is none)."""
     global _GROUP
     if _GROUP is None:
-        if not dist.is_initialized():
-            from helpers.dist import free_port
+        try:
+            _GROUP = _standalone_gloo_group()
+        except (AttributeError, TypeError, RuntimeError):  # private API moved: use the default
+            if not dist.is_initialized():
+                from helpers.dist import free_port
 
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                                    rank=0, world_size=1)
-        if dist.get_world_size() != 1:
-            raise RuntimeError("local_group() needs a one-rank process (the default group has "
-                               f"{dist.get_world_size()} ranks)")
-        _GROUP = dist.new_group(backend="gloo")
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                        rank=0, world_size=1)
+            if dist.get_world_size() != 1:
+                raise RuntimeError("local_group() needs a one-rank process (the default group "
+                                   f"has {dist.get_world_size()} ranks)") from None
+            _GROUP = dist.new_group(backend="gloo")
     return _GROUP
 
 

@@ -157,4 +157,4 @@ def test_build_info_cuda_flavour() -> None:
     assert info["cuda_version"].split(".")[0] == torch.version.cuda.split(".")[0]
     assert re.fullmatch(r"\d+\.\d+\.\d+", info["nccl_version"]), info
     assert int(info["nccl_version"].split(".")[0]) == torch.cuda.nccl.version()[0]
-    assert info["arch_list"], info
+    assert isinstance(info["arch_list"], str)  # TORCH_CUDA_ARCH_LIST at build time, may be ""

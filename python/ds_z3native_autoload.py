@@ -28,7 +28,7 @@ from types import ModuleType
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["ENV_VAR", "PTH_NAME", "PTH_LINE", "AutoloadError", "activate", "deactivate",
-           "is_active", "requested", "when_imported"]
+           "is_active", "requested", "when_imported", "installed_pth_files", "write_pth"]
 
 ENV_VAR = "DS_Z3NATIVE"
 PTH_NAME = "ds_z3native_autoload.pth"
@@ -212,3 +212,52 @@ def is_active() -> bool:
     """Whether an activation is waiting for ``import deepspeed``."""
     with _lock:
         return any(cb is _install_into for _, cb in _pending.get("deepspeed", ()))
+
+
+# ---- the start-up file ---------------------------------------------------------------------------
+
+def _site_dirs() -> List[str]:
+    import site
+
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return dirs
+
+
+def installed_pth_files() -> List[str]:
+    """The ``ds_z3native_autoload.pth`` files in this interpreter's site directories (setup.py's
+    build_py puts one there at install time, editable installs included)."""
+    return [os.path.join(d, PTH_NAME) for d in _site_dirs() if os.path.isfile(os.path.join(d, PTH_NAME))]
+
+
+def write_pth(directory: str) -> str:
+    """Write the start-up file into ``directory`` (a site directory) and return its path. Only
+    needed where the installer did not (a legacy ``setup.py develop``); pip does not record it."""
+    path = os.path.join(directory, PTH_NAME)
+    with open(path, "w") as f:
+        f.write(PTH_LINE)
+    return path
+
+
+def _main(argv: Sequence[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--write":
+        print(write_pth(argv[1]))
+        return 0
+    if argv:
+        print("usage: python -m ds_z3native_autoload [--write SITE_DIR]", file=sys.stderr)
+        return 2
+    files = installed_pth_files()
+    for path in files:
+        with open(path) as f:
+            state = "current" if f.read() == PTH_LINE else "stale (reinstall ds_z3native)"
+        print(f"{path}: {state}")
+    if not files:
+        print(f"no {PTH_NAME} in {', '.join(_site_dirs())}: DS_Z3NATIVE has no effect; reinstall "
+              f"ds_z3native, or run `python -m ds_z3native_autoload --write <site-packages>`")
+    print(f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r}")
+    return 0 if files else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -25,7 +25,9 @@ at::Tensor Gatherer::metaOf(const ParamEntry& p, std::optional<at::ScalarType> d
 
 at::Tensor Gatherer::shardForGather(ParamEntry& p, at::ScalarType dtype)
 {
-    at::Tensor shard = p.shard;
+    // Partitions never take part in autograd here (a shard registered with requires_grad=True
+    // would make the gathered buffer an autograd view).
+    at::Tensor shard = p.shard.detach();
     if (p.reloaded.defined()) {
         if (p.reload_done) { p.reload_done->block(StreamRole::AllGather); }
         shard = p.reloaded;

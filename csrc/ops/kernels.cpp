@@ -74,8 +74,38 @@ void reload_parameter(const at::Tensor&, int64_t graph_id, int64_t id)
     get("reload_parameter").reloadParameter(graph_id, id);
 }
 
-void end_backward(const c10::IValue&, int64_t graph_id, bool release_reduce_buckets)
+namespace {
+
+// The dispatcher never looks inside `Any`, so this kernel (registered for the catch-all key) is
+// also what runs while FakeTensorMode traces a graph. A trace must not flush, release or
+// invalidate the real runtime's state: deps holding fake or meta tensors mark one.
+bool tracing(const c10::IValue& deps)
 {
+    auto traced = [](const at::Tensor& t) {
+        return t.defined() && (t.is_meta() || t.key_set().has(c10::DispatchKey::Python));
+    };
+    if (deps.isTensor()) { return traced(deps.toTensor()); }
+    if (deps.isTensorList()) {
+        for (const at::Tensor& t : deps.toTensorList().vec()) {
+            if (traced(t)) { return true; }
+        }
+        return false;
+    }
+    if (deps.isList() || deps.isTuple()) {
+        c10::ArrayRef<c10::IValue> items =
+            deps.isList() ? deps.toListRef() : c10::ArrayRef<c10::IValue>(deps.toTupleRef().elements());
+        for (const c10::IValue& v : items) {
+            if (tracing(v)) { return true; }
+        }
+    }
+    return false;
+}
+
+}  // namespace
+
+void end_backward(const c10::IValue& deps, int64_t graph_id, bool release_reduce_buckets)
+{
+    if (tracing(deps)) { return; }
     get("end_backward").endBackward(graph_id, release_reduce_buckets);
 }
 

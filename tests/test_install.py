@@ -73,7 +73,8 @@ def test_install_hands_our_module_to_every_loader_site(before: Dict[str, Any]) -
     assert ds_builder.OpBuilder._loaded_ops["dc"] is ours
     assert installer.loader_status() == {s: True for s in report.loader_sites}
     assert report.deepspeed_version == str(DS_VERSION) and report.verdict == "supported"
-    expected = (["deepcompile-z3-frozen-grad-buffer"] if OLD else []) + ["deepcompile-z3-declare-frozen"]
+    expected = (["deepcompile-z3-frozen-grad-buffer"] if OLD else []) + \
+        ["deepcompile-z3-declare-frozen", "deepcompile-z3-unfrozen-guard"]
     assert [p for p in report.patches if p.startswith("deepcompile-z3")] == expected
 
 
@@ -82,7 +83,7 @@ def test_init_z3_is_patched_where_deepspeed_holds_it_and_restored(before: Dict[s
     import deepspeed.compile.init_z3 as init_z3_module  # 0.19.8 imports it only at compile()
 
     wrapped = init_z3_module.init_z3
-    assert _wrapper_depth(wrapped) == (2 if OLD else 1)
+    assert _wrapper_depth(wrapped) == (3 if OLD else 2)
     engine_module = sys.modules["deepspeed.runtime.engine"]
     if hasattr(engine_module, "init_z3"):  # 0.19.2 binds it at import
         assert engine_module.init_z3 is wrapped
@@ -247,7 +248,8 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "OPTIONAL_MODULES", ("dsz_no_such_patch_module",))
     assert [p.name for p in registry.all_patches()] == \
-        ["deepcompile-z3-frozen-grad-buffer", "deepcompile-z3-declare-frozen"]
+        ["deepcompile-z3-frozen-grad-buffer", "deepcompile-z3-declare-frozen",
+         "deepcompile-z3-unfrozen-guard"]
     _write_module(tmp_path, "dsz_test_patches_broken", "raise ImportError('half-written module')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "OPTIONAL_MODULES", ("dsz_test_patches_broken",))

@@ -7,9 +7,9 @@ module DeepSpeed's loader returns. Then they read the native registry (``param_s
 
 * with ``install()``: every param registered; frozen ones frozen with no buffer; trainable ones
   with a buffer of their shard's size that is the optimizer's own gradient partition (a reduce
-  lands there, averaged over the ranks); a frozen param's gradient, and the gradient of a param
-  unfrozen after registration, raise our error naming the ds_id, and DeepSpeed's backward
-  prologue in between neither fails nor skips anything;
+  lands there, averaged over the ranks); a frozen param's gradient raises our error naming the
+  ds_id; a param unfrozen after registration fails DeepSpeed's next backward prologue with our
+  error naming it, and its gradient, should one reach the native layer, is refused too;
 * without the patches (our module handed to the loader, nothing else): DeepSpeed 0.19.2 raises
   the KeyError the patch fixes; 0.19.8 registers; a param frozen after ``deepspeed.initialize``
   is registered unfrozen with a buffer on 0.19.2 unless the declare-frozen patch runs.
@@ -73,6 +73,7 @@ def _installed_scenario(rank: int, world_size: int) -> Dict[str, Any]:
     import deepspeed
     import ds_z3native
     from deepspeed.compile.util import deepcompile_backward_prologue
+    from ds_z3native.compat.deepcompile_frozen import UnfrozenAfterCompile
 
     ds_z3native.install()
     engine = _engine(frozen_at_init=True)
@@ -103,11 +104,16 @@ def _installed_scenario(rank: int, world_size: int) -> Dict[str, Any]:
             errors[name] = "no error"
         except RuntimeError as e:
             errors[name] = str(e)
-    # Unfrozen after registration (after engine.compile() in a real run): DeepSpeed's backward
-    # prologue must go through, and the first gradient must raise, not vanish.
+    # Unfrozen after registration (after engine.compile() in a real run): the next backward
+    # fails in DeepSpeed's backward prologue, naming it; a gradient that still reached the
+    # native layer is refused there too.
     unfrozen = params["0.bias"]
     unfrozen.requires_grad_(True)
-    deepcompile_backward_prologue(True)
+    try:
+        deepcompile_backward_prologue(True)
+        out["prologue"] = "no error"
+    except UnfrozenAfterCompile as e:
+        out["prologue"] = str(e)
     try:
         torch.ops.dc.reduce_grad(torch.ones(tuple(unfrozen.ds_shape)), graph_id, unfrozen.ds_id)
         errors["unfrozen 0.bias"] = "no error"
@@ -141,6 +147,9 @@ def test_init_z3_registers_frozen_and_trainable_params_with_install() -> None:
         for name, message in r["errors"].items():
             ds_id = by_name[name.split()[-1]]["ds_id"]
             assert f"ds_id {ds_id}" in message and "frozen" in message, (name, message)
+        bias = by_name["0.bias"]
+        assert f"0.bias (ds_id {bias['ds_id']}) had requires_grad=False at engine.compile()" in r["prologue"]
+        assert "0.weight" not in r["prologue"] and "2.bias" not in r["prologue"]
         # The refused gradients issued no collective: one reduce-scatter, the trainable weight's.
         assert r["comm"]["reduce_scatter_calls"] == 1, r["comm"]
 

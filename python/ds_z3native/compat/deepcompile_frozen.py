@@ -12,15 +12,17 @@ trainable param groups only.
   ds_ids of frozen params (the map itself is not changed, and is put back when init_z3 returns).
 * :data:`DECLARE_FROZEN` (every release): after init_z3 has registered the params, each frozen one
   is declared frozen to the native layer with ``set_param_frozen(ds_id, True)``, so frozenness
-  is a recorded fact and not only inferred from an empty buffer (a param frozen after
-  ``deepspeed.initialize`` still has its slot on 0.19.0 – 0.19.5).
-
-A param that is frozen at ``engine.compile()`` and unfrozen later has no gradient buffer. Its
-first gradient reaches ``dc::reduce_grad`` (DeepCompile recompiles the graph when requires_grad
-changes, and its backward pass adds a reduce for every param with a gradient), where the native
-layer raises an error naming the ds_id instead of dropping the gradient. DeepSpeed's Python does
-not intercept it: the graph profiler swallows exceptions, but reduce_grad does nothing while it
-profiles, so the error comes from the real backward. No patch is needed for that; the tests pin it.
+  is a recorded fact and not only inferred from an empty buffer (unpatched, 0.19.0 – 0.19.5
+  register a param frozen after ``deepspeed.initialize`` with its optimizer slot).
+* :data:`UNFROZEN_GUARD` (every release): a param frozen at ``engine.compile()`` and made
+  trainable later has no gradient buffer, and DeepCompile's compiled graphs keep computing no
+  gradient for it: dynamo does not recompile when a parameter's requires_grad changes, so the
+  gradient is silently absent until the next recompile (DeepCompile's step-5 re-planning), where
+  it reaches ``dc::reduce_grad`` and the native layer refuses it. Seen on one H200 with DeepSpeed
+  0.19.2 and 0.19.8: unfrozen before step 2, three steps trained without it, then step 5 raised.
+  This patch adds a DeepCompile pre-backward hook (DeepSpeed runs those at the start of
+  ``engine.backward``) that raises :class:`UnfrozenAfterCompile`, naming the params, at the first
+  backward after the change. The native refusal stays as the second line.
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ import collections
 import importlib
 import logging
 from types import ModuleType
-from typing import Any, Callable, Collection, Dict, List
+from typing import Any, Callable, Collection, Dict, List, Tuple
 
 from packaging.version import Version
 
 from . import Patch, Undo
 from ._rebind import when_module_imported, wrap_function
 
-__all__ = ["FROZEN_GRAD_BUFFER", "DECLARE_FROZEN", "PATCHES", "init_z3_owners",
-           "patch_frozen_grad_buffer", "patch_declare_frozen"]
+__all__ = ["FROZEN_GRAD_BUFFER", "DECLARE_FROZEN", "UNFROZEN_GUARD", "PATCHES", "init_z3_owners",
+           "patch_frozen_grad_buffer", "patch_declare_frozen", "patch_unfrozen_guard",
+           "UnfrozenAfterCompile"]
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,59 @@ def patch_declare_frozen() -> Undo:
     return _wrap_init_z3(_declaring_frozen)
 
 
+class UnfrozenAfterCompile(RuntimeError):
+    """A param frozen at engine.compile() requires grad now; its gradients would be lost."""
+
+
+class _UnfrozenGuard:
+    """DeepCompile pre-backward hook: refuses to run a backward once a param that was frozen at
+    registration requires grad."""
+
+    def __init__(self, frozen: List[Tuple[str, Any]]) -> None:
+        self._frozen = frozen  # (name, param) of the params registered frozen
+
+    def __call__(self, _is_gradient_accumulation_boundary: bool) -> None:
+        unfrozen = [f"{name} (ds_id {p.ds_id})" for name, p in self._frozen if p.requires_grad]
+        if unfrozen:
+            raise UnfrozenAfterCompile(
+                "ds_z3native: " + ", ".join(unfrozen) + " had requires_grad=False at "
+                "engine.compile() and require grad now. DeepCompile registered them frozen (no "
+                "gradient buffer) and its compiled graphs compute no gradient for them, so this "
+                "backward would drop their gradients. Set requires_grad before engine.compile() "
+                "(or build a new engine).")
+
+
+def patch_unfrozen_guard() -> Undo:
+    """After init_z3, a pre-backward hook refuses params unfrozen since registration."""
+    hooks: List[_UnfrozenGuard] = []
+
+    def guarding_unfrozen(init_z3: Callable) -> Callable:
+        def init_z3_guarding_unfrozen(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            result = init_z3(engine, *args, **kwargs)
+            frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
+            if frozen:
+                from deepspeed.compile import util
+
+                hook = _UnfrozenGuard(frozen)
+                util.add_pre_backward_hook(hook)
+                hooks.append(hook)
+            return result
+
+        return init_z3_guarding_unfrozen
+
+    unwrap = _wrap_init_z3(guarding_unfrozen)
+
+    def undo() -> None:
+        unwrap()
+        if hooks:
+            from deepspeed.compile import util
+
+            util.pre_backward_hooks[:] = [h for h in util.pre_backward_hooks if h not in hooks]
+            hooks.clear()
+
+    return undo
+
+
 FROZEN_GRAD_BUFFER = Patch(
     name="deepcompile-z3-frozen-grad-buffer",
     summary="init_z3 registers requires_grad=False params with an empty grad buffer "
@@ -149,6 +205,15 @@ DECLARE_FROZEN = Patch(
     last=None,
 )
 
-# Applied in this order (DECLARE_FROZEN wraps the KeyError fix, so it runs after a successful
+UNFROZEN_GUARD = Patch(
+    name="deepcompile-z3-unfrozen-guard",
+    summary="a param frozen at engine.compile() and unfrozen later fails the next backward with "
+            "a clear error instead of training without its gradient",
+    apply=patch_unfrozen_guard,
+    first=Version("0.19.0"),
+    last=None,
+)
+
+# Applied in this order (each wraps the previous, so the later ones run after a successful
 # registration); undone in reverse.
-PATCHES: List[Patch] = [FROZEN_GRAD_BUFFER, DECLARE_FROZEN]
+PATCHES: List[Patch] = [FROZEN_GRAD_BUFFER, DECLARE_FROZEN, UNFROZEN_GUARD]

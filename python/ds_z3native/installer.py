@@ -168,7 +168,11 @@ def install() -> InstallReport:
         if _state is not None:
             log.debug("ds_z3native is already installed")
             return _state.report
-        version = deepspeed_version()
+        try:
+            version = deepspeed_version()
+        except ImportError as e:
+            raise ImportError(f"ds_z3native.install() wires ds_z3native into DeepSpeed, which is "
+                              f"not importable here: {e}") from e
         gate = check_deepspeed_version(version)
         if not gate.allowed:
             raise UnsupportedDeepSpeed(gate.message)

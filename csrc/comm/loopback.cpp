@@ -62,6 +62,10 @@ public:
     {
         DSZ_CHECK(out.numel() == shard.numel() * worldSize(), "allgather", "ds_id ", ds_id,
                   ": output of ", out.numel(), " elements for a shard of ", shard.numel());
+        // Real collectives (NCCL, c10d) do not convert: a dtype mismatch is the caller's bug.
+        DSZ_CHECK(out.scalar_type() == shard.scalar_type(), "allgather", "ds_id ", ds_id,
+                  ": output dtype ", out.scalar_type(), " differs from the shard's ",
+                  shard.scalar_type());
         run([this, shard, out] {
             auto all = world_->exchange(rank_, shard.reshape({-1}));
             out.view({-1}).copy_(at::cat(all));
@@ -72,6 +76,9 @@ public:
     {
         DSZ_CHECK(in.numel() == out.numel() * worldSize(), "reduce_scatter", "ds_id ", ds_id,
                   ": input of ", in.numel(), " elements for an output of ", out.numel());
+        DSZ_CHECK(out.scalar_type() == in.scalar_type(), "reduce_scatter", "ds_id ", ds_id,
+                  ": output dtype ", out.scalar_type(), " differs from the input's ",
+                  in.scalar_type());
         run([this, in, out] {
             auto all = world_->exchange(rank_, in.reshape({-1}));
             at::Tensor sum = at::stack(all).sum(0);

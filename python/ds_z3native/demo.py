@@ -1,0 +1,540 @@
+"""``ds-z3native demo``: a LoRA fine-tune under DeepSpeed ZeRO-3 with activation checkpointing.
+
+A small Llama (random weights, built from a config: nothing is downloaded) with PEFT LoRA adapters
+on its linear layers trains for a few steps under ZeRO-3 with non-reentrant gradient checkpointing
+(``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``, what
+HF Trainer / TRL do), with ``ds_z3native.install()`` applied. That combination fails on DeepSpeed
+0.19.0 – 0.19.2 with ``CheckpointError ... recomputed {'shape': [0]}``; ``--without-fix`` runs the
+same without ``install()`` to show it.
+
+The demo starts its own ranks (one process each): 2 gloo ranks on CPU by default, one NCCL rank
+per GPU when CUDA is available. Rank 0 reports every step to the parent process, which draws the
+progress bar and prints the summary; the ranks' own output (DeepSpeed's logs) goes to one log file
+per rank. A rank that fails stops the run: the others are killed and its error is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue as queue_mod
+import re
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, TextIO
+
+from .models import DEFAULT_SIZE, MODEL_SIZES, ModelSize
+
+__all__ = ["DemoOptions", "DemoResult", "DemoRefused", "run_demo", "format_summary",
+           "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED"]
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # a rank raised, died or stopped reporting
+EXIT_REFUSED = 2  # the run could not start here (options, missing packages)
+
+# DeepSpeed releases with their own fix for the eager recompute failure.
+_UPSTREAM_RECOMPUTE_FIX = "0.19.3"
+_RECOMPUTE_SHAPE0 = re.compile(r"recomputed metadata:.*'shape': torch\.Size\(\[0\]\)", re.S)
+
+
+class DemoRefused(RuntimeError):
+    """The demo cannot run with these options on this machine; the message says what to do."""
+
+
+@dataclass
+class DemoOptions:
+    """What ``ds-z3native demo`` runs."""
+
+    steps: int = 20
+    ranks: Optional[int] = None  # None: one per GPU with CUDA, else 2
+    model_size: str = DEFAULT_SIZE
+    deepcompile: bool = False
+    without_fix: bool = False
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    lr: float = 5e-3
+    seed: int = 0
+    timeout: float = 600.0  # seconds without any news from the ranks before giving up
+    log_dir: Optional[str] = None  # default: a new temporary directory
+    progress: bool = True
+
+
+@dataclass
+class DemoResult:
+    """How the run went; ``exit_code`` is what the command returns."""
+
+    exit_code: int
+    options: Dict[str, Any]
+    device: str = "cpu"
+    world_size: int = 0
+    deepspeed_version: str = ""
+    torch_version: str = ""
+    fix: str = ""  # what was applied: "ds_z3native.install(): <patches>" or "none"
+    params: int = 0
+    trainable: int = 0
+    losses: List[float] = field(default_factory=list)
+    step_seconds: List[float] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+    peak_memory_kind: str = ""
+    setup_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    log_dir: str = ""
+    error: Optional[Dict[str, Any]] = None  # rank, step, type, message, why, traceback
+    note: str = ""
+
+    def to_json(self) -> Dict[str, Any]:
+        """A JSON-serialisable dict of the result."""
+        return asdict(self)
+
+
+# ---- one rank ------------------------------------------------------------------------------
+
+def _zero3_config(size: ModelSize, opts: DemoOptions, cuda: bool) -> Dict[str, Any]:
+    from .models import zero3_auto_values
+
+    config: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": size.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 3, "overlap_comm": cuda,
+                              **zero3_auto_values(size.hidden)},
+        # torch_adam: PyTorch's AdamW, no JIT build of DeepSpeed's fused Adam.
+        "optimizer": {"type": "AdamW", "params": {"lr": opts.lr, "weight_decay": 0.0,
+                                                  "torch_adam": True}},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cuda:
+        config["bf16"] = {"enabled": True}
+    if opts.deepcompile:
+        config["compile"] = {"deepcompile": True}
+    return config
+
+
+def _peak_memory(cuda: bool) -> int:
+    if cuda:
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
+def _why(exc: BaseException, text: str, ds_version: str, fixed: bool) -> str:
+    """One line on why a known failure happens, or ''."""
+    if type(exc).__name__ == "CheckpointError" and _RECOMPUTE_SHAPE0.search(text):
+        if fixed:
+            return ("a frozen param was partitioned during the checkpoint recompute although "
+                    "ds_z3native.install() was applied: please report this with "
+                    "`ds-z3native doctor --json`")
+        return (f"DeepSpeed {ds_version}'s ZeRO-3 frees frozen params (the base model's "
+                "weights under LoRA) in place while torch.utils.checkpoint recomputes a layer "
+                "inside backward, so the "
+                "recompute sees shape [0]; ds_z3native.install() (or DS_Z3NATIVE=1) keeps them "
+                f"gathered until their module's backward ends (DeepSpeed fixed it in "
+                f"{_UPSTREAM_RECOMPUTE_FIX}).")
+    return ""
+
+
+def _redirect_output(path: str) -> None:
+    """Send this process's stdout/stderr (DeepSpeed's logs included) to ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _rank_main(rank: int, world: int, port: int, cuda: bool, opts: DemoOptions,
+               events: Any, log_dir: str) -> None:
+    """One rank: train, and send what happens to the parent through ``events``."""
+    _redirect_output(os.path.join(log_dir, f"rank{rank}.log"))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not cuda:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    step = None
+    ds_version = "?"
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if cuda:
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+
+        import ds_z3native_autoload
+
+        if opts.without_fix:
+            ds_z3native_autoload.deactivate()  # DS_Z3NATIVE=1 must not install it behind our back
+        import deepspeed
+        import deepspeed.ops
+
+        ds_version = deepspeed.__version__
+        if not cuda:
+            # gloo for DeepSpeed's collectives: its optional shared-memory comm op is otherwise
+            # JIT-compiled at the first engine (about a minute on 2 cores).
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        import ds_z3native
+
+        if opts.without_fix:
+            if ds_z3native.installed():
+                raise RuntimeError("--without-fix, but ds_z3native is already installed in "
+                                   "this process")
+            fix = "none (--without-fix)"
+        else:
+            report = ds_z3native.install()
+            fix = "ds_z3native.install(): " + (", ".join(report.patches) or "no patches")
+
+        from .models import build_lora_llama, synthetic_batch
+
+        size = MODEL_SIZES[opts.model_size]
+        model, counts = build_lora_llama(size, seed=opts.seed)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable,
+                                          config=_zero3_config(size, opts, cuda))
+        if opts.deepcompile:
+            engine.compile()
+        device = engine.device
+        if rank == 0:
+            events.put({"kind": "ready", "deepspeed": ds_version, "torch": torch.__version__,
+                        "fix": fix, "params": counts["params"], "trainable": counts["trainable"],
+                        "memory_kind": "max GPU memory allocated" if cuda else "peak RSS"})
+        for step in range(opts.steps):
+            ids = synthetic_batch(size, step, rank, seed=opts.seed).to(device)
+            t0 = time.perf_counter()
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            mean = loss.detach().float().clone()
+            dist.all_reduce(mean)
+            value = mean.item() / world
+            elapsed = time.perf_counter() - t0
+            if rank == 0:
+                events.put({"kind": "step", "step": step, "loss": value, "step_s": elapsed,
+                            "peak": _peak_memory(cuda)})
+        step = None
+        engine.destroy()
+        events.put({"kind": "done", "rank": rank})
+        events.close()
+        events.join_thread()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
+        text = f"{type(e).__name__}: {e}"
+        events.put({"kind": "error", "rank": rank, "step": step, "type": type(e).__name__,
+                    "message": str(e), "traceback": traceback.format_exc(),
+                    "why": _why(e, text, ds_version, not opts.without_fix)})
+        traceback.print_exc()
+        sys.stderr.flush()
+        events.close()
+        events.join_thread()  # the event must reach the parent before this process ends
+        os._exit(1)  # skip teardown that may block on peers that are gone
+
+
+# ---- the parent ----------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_dependencies() -> None:
+    import importlib.util
+
+    # find_spec, not import: the ranks import them; the parent stays quick to start.
+    missing = [name for name in ("deepspeed", "transformers", "peft", "tqdm")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise DemoRefused(f"the demo needs {', '.join(missing)}: install the demo extra with "
+                          "`pip install --no-build-isolation -e \".[demo]\"` (from the "
+                          "ds_z3native checkout) or `pip install transformers peft tqdm "
+                          "'deepspeed>=0.19,<0.20'`")
+
+
+def _resolve(opts: DemoOptions) -> tuple:
+    """(cuda, world_size) for ``opts`` on this machine; DemoRefused when they cannot run here."""
+    import torch
+
+    if opts.model_size not in MODEL_SIZES:
+        raise DemoRefused(f"unknown --model-size {opts.model_size!r}; choose one of "
+                          f"{', '.join(MODEL_SIZES)}")
+    if opts.steps < 1:
+        raise DemoRefused(f"--steps must be at least 1, got {opts.steps}")
+    if opts.device not in ("auto", "cpu", "cuda"):
+        raise DemoRefused(f"--device must be auto, cpu or cuda, got {opts.device!r}")
+    has_cuda = torch.cuda.is_available()
+    if opts.device == "cuda" and not has_cuda:
+        raise DemoRefused("--device cuda, but torch sees no CUDA GPU here "
+                          f"(torch {torch.__version__}, torch.version.cuda={torch.version.cuda})")
+    cuda = has_cuda and opts.device != "cpu"
+    if opts.deepcompile and not cuda:
+        raise DemoRefused("--deepcompile needs CUDA GPUs: DeepSpeed's DeepCompile runs only on the "
+                          "CUDA accelerator (deepspeed.compile.util.is_deepcompile_supported). On "
+                          "CPU run the eager demo (without --deepcompile); `ds-z3native selftest` "
+                          "drives ds_z3native's dc op itself on CPU ranks.")
+    world = opts.ranks if opts.ranks is not None else (torch.cuda.device_count() if cuda else 2)
+    if world < 1:
+        raise DemoRefused(f"--ranks must be at least 1, got {world}")
+    if cuda and world > torch.cuda.device_count():
+        raise DemoRefused(f"--ranks {world}, but only {torch.cuda.device_count()} GPU(s) are "
+                          "visible: one rank per GPU")
+    return cuda, world
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def _fmt_count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
+class _Progress:
+    """Status lines and the tqdm bar on ``stream``; the bar starts with the first step, so its
+    rate is the training's, not the set-up's. Nothing at all when disabled."""
+
+    def __init__(self, total: int, enabled: bool, stream: TextIO) -> None:
+        self.total, self.enabled, self.stream = total, enabled, stream
+        self.bar: Any = None
+
+    def step(self, event: Dict[str, Any], memory_kind: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, desc="LoRA fine-tune", unit="step",
+                            file=self.stream, dynamic_ncols=True, leave=True)
+        self.bar.set_postfix_str(f"step {event['step'] + 1} loss {event['loss']:.4f} "
+                                 f"{event['step_s']:.2f}s/step {memory_kind} "
+                                 f"{_fmt_bytes(event['peak'])}", refresh=False)
+        self.bar.update(1)
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _stop(procs: List[Any], grace: float = 5.0) -> None:
+    """Ends every rank still running: SIGTERM, then SIGKILL after ``grace`` seconds."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def run_demo(opts: DemoOptions, stream: Optional[TextIO] = None) -> DemoResult:
+    """Run the demo as ``opts`` say; the progress bar goes to ``stream`` (default stderr).
+
+    Raises :class:`DemoRefused` when the run cannot start here; a run that starts and fails
+    returns a result with ``exit_code`` :data:`EXIT_FAILED` and ``error`` set.
+    """
+    _check_dependencies()
+    cuda, world = _resolve(opts)
+    import torch.multiprocessing as mp
+
+    stream = stream if stream is not None else sys.stderr
+    log_dir = opts.log_dir or tempfile.mkdtemp(prefix="ds-z3native-demo-")
+    os.makedirs(log_dir, exist_ok=True)
+    result = DemoResult(EXIT_FAILED, asdict(opts), device="cuda" if cuda else "cpu",
+                        world_size=world, log_dir=log_dir)
+    start = time.monotonic()
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, cuda, opts, events, log_dir),
+                         name=f"ds-z3native-demo-rank{r}", daemon=False) for r in range(world)]
+    for p in procs:
+        p.start()
+    bar = _Progress(opts.steps, opts.progress, stream)
+    bar.write(f"ds-z3native demo: starting {world} {'NCCL' if cuda else 'gloo'} rank(s) on "
+              f"{'GPU' if cuda else 'CPU'} (logs: {log_dir})")
+    done = set()
+    last_news = time.monotonic()
+    peak = 0
+    try:
+        while len(done) < world:
+            try:
+                event = events.get(timeout=0.5)
+            except queue_mod.Empty:
+                event = None
+            if event is not None:
+                last_news = time.monotonic()
+                kind = event["kind"]
+                if kind == "ready":
+                    result.deepspeed_version = event["deepspeed"]
+                    result.torch_version = event["torch"]
+                    result.fix = event["fix"]
+                    result.params, result.trainable = event["params"], event["trainable"]
+                    result.setup_seconds = time.monotonic() - start  # start-up to engine ready
+                    result.peak_memory_kind = event["memory_kind"]
+                    bar.write(f"DeepSpeed {result.deepspeed_version}, torch "
+                              f"{result.torch_version}; Llama '{opts.model_size}' with LoRA, ZeRO-3, non-reentrant "
+                              f"checkpointing; fix: {result.fix} (set-up "
+                              f"{result.setup_seconds:.1f} s)")
+                elif kind == "step":
+                    result.losses.append(event["loss"])
+                    result.step_seconds.append(event["step_s"])
+                    peak = max(peak, event["peak"])
+                    result.peak_memory_bytes = peak
+                    bar.step(event, result.peak_memory_kind)
+                elif kind == "done":
+                    done.add(event["rank"])
+                elif kind == "error":
+                    result.error = {k: event[k] for k in
+                                    ("rank", "step", "type", "message", "why", "traceback")}
+                    break
+                continue
+            dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in done]
+            if dead:
+                time.sleep(0.5)  # its error event may still be in the pipe
+                try:
+                    event = events.get(timeout=1.0)
+                    if event["kind"] == "error":
+                        result.error = {k: event[k] for k in
+                                        ("rank", "step", "type", "message", "why", "traceback")}
+                        break
+                except queue_mod.Empty:
+                    pass
+                r, code = dead[0]
+                result.error = {"rank": r, "step": None, "type": "RankDied",
+                                "message": f"rank {r} exited with code {code} without reporting "
+                                           "an error", "why": "", "traceback": ""}
+                break
+            if time.monotonic() - last_news > opts.timeout:
+                result.error = {"rank": None, "step": None, "type": "Timeout",
+                                "message": f"no progress from the ranks for {opts.timeout:.0f} s",
+                                "why": "", "traceback": ""}
+                break
+    except KeyboardInterrupt:
+        result.error = {"rank": None, "step": None, "type": "KeyboardInterrupt",
+                        "message": "interrupted", "why": "", "traceback": ""}
+    finally:
+        bar.close()
+        if result.error is None:
+            for p in procs:
+                p.join(30)
+        _stop(procs)
+        events.close()
+        events.join_thread()
+    result.wall_seconds = time.monotonic() - start
+    if result.error is None:
+        bad = [v for v in result.losses if not math.isfinite(v)]
+        if bad:
+            result.error = {"rank": 0, "step": result.losses.index(bad[0]), "type": "NonFiniteLoss",
+                            "message": f"the loss became {bad[0]}", "why": "", "traceback": ""}
+    if result.error is None:
+        result.exit_code = EXIT_OK
+        if opts.without_fix and _has_upstream_fix(result.deepspeed_version):
+            result.note = (f"DeepSpeed {result.deepspeed_version} carries its own fix for the "
+                           f"checkpoint-recompute failure (since {_UPSTREAM_RECOMPUTE_FIX}), so "
+                           "this run succeeds without ds_z3native; on DeepSpeed 0.19.0 - 0.19.2 "
+                           "it fails.")
+    return result
+
+
+def _has_upstream_fix(version: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(Version(version.split("+")[0]).base_version) >= Version(
+            _UPSTREAM_RECOMPUTE_FIX)
+    except InvalidVersion:
+        return False
+
+
+def _error_excerpt(message: str, limit: int = 6) -> List[str]:
+    """The lines of an error message worth showing (CheckpointError's are very long)."""
+    lines = [ln.rstrip() for ln in message.strip().splitlines() if ln.strip()]
+    if not lines:
+        return []
+    keep = [lines[0]]
+    for i, ln in enumerate(lines[1:], 1):
+        if "saved metadata" in ln or "recomputed metadata" in ln:
+            keep.append(ln.strip())
+            if "recomputed metadata" in ln and i > 1:
+                break
+    if len(keep) == 1:
+        keep = lines[:limit]
+    return [k[:300] for k in keep]
+
+
+def format_summary(result: DemoResult) -> str:
+    """The table (and, on failure, the error and why) printed after the run."""
+    rows = [("outcome", "OK" if result.exit_code == EXIT_OK else "FAILED"),
+            ("DeepSpeed / torch", f"{result.deepspeed_version or '?'} / "
+                                  f"{result.torch_version or '?'}"),
+            ("ranks", f"{result.world_size} on {result.device.upper()}"
+                      f"{' (DeepCompile)' if result.options.get('deepcompile') else ''}"),
+            ("model", f"Llama '{result.options['model_size']}', "
+                      f"{_fmt_count(result.params)} params, {_fmt_count(result.trainable)} "
+                      "trainable (LoRA)" if result.params else
+                      f"Llama '{result.options['model_size']}'"),
+            ("fix", result.fix or "?"),
+            ("steps", f"{len(result.losses)} of {result.options['steps']}")]
+    if result.losses:
+        rows.append(("loss first -> last", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}"))
+    if result.step_seconds:
+        later = result.step_seconds[1:] or result.step_seconds
+        rows.append(("step time", f"{sum(later) / len(later):.3f} s mean after the first "
+                                  f"({result.step_seconds[0]:.2f} s first)"))
+    if result.peak_memory_bytes:
+        rows.append((f"peak memory ({result.peak_memory_kind}, rank 0)",
+                     _fmt_bytes(result.peak_memory_bytes)))
+    rows.append(("wall time", f"{result.wall_seconds:.1f} s (setup {result.setup_seconds:.1f} s)"))
+    rows.append(("rank logs", result.log_dir))
+    width = max(len(k) for k, _ in rows)
+    out = [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    if result.losses:
+        out.append(f"  {'loss by step'.ljust(width)}  " +
+                   " ".join(f"{v:.4f}" for v in result.losses))
+    err = result.error
+    if err is not None:
+        where = f"rank {err['rank']}" if err.get("rank") is not None else "the run"
+        at = f" at step {err['step'] + 1}" if err.get("step") is not None else ""
+        out.append("")
+        out.append(f"error ({where}{at}): {err['type']}")
+        out += [f"  {ln}" for ln in _error_excerpt(err["message"])]
+        if err.get("why"):
+            out.append(f"why: {err['why']}")
+        out.append(f"full traceback: {os.path.join(result.log_dir, 'rank%s.log' % err['rank'])}"
+                   if err.get("rank") is not None else f"rank logs: {result.log_dir}")
+    if result.note:
+        out.append("")
+        out.append(f"note: {result.note}")
+    return "\n".join(out)

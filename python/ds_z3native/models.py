@@ -1,0 +1,100 @@
+"""Small Llama models with LoRA adapters, built from a config with random weights (no download).
+
+Used by ``ds-z3native demo``: a frozen base (every weight of a ``LlamaForCausalLM``) with PEFT
+LoRA adapters on its linear layers, the shape of a real LoRA fine-tune at a size a laptop trains
+in seconds. Needs the ``demo`` extra (``pip install -e ".[demo]"``: transformers, peft, tqdm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
+
+__all__ = ["ModelSize", "MODEL_SIZES", "DEFAULT_SIZE", "LORA_TARGETS", "build_lora_llama",
+           "synthetic_batch", "zero3_auto_values"]
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A named Llama shape, and the batch the demo trains it on."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq_len: int
+    batch: int  # sequences per rank and step
+    lora_rank: int
+    note: str
+
+    def llama_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments of ``transformers.LlamaConfig`` for this size."""
+        return dict(hidden_size=self.hidden, intermediate_size=self.intermediate,
+                    num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                    num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
+                    max_position_embeddings=max(self.seq_len, 128), tie_word_embeddings=False)
+
+
+MODEL_SIZES: Dict[str, ModelSize] = {s.name: s for s in (
+    ModelSize("tiny", hidden=128, intermediate=352, layers=2, heads=4, kv_heads=2, vocab=512,
+              seq_len=32, batch=2, lora_rank=4, note="seconds on a CPU; used by the tests"),
+    ModelSize("small", hidden=256, intermediate=704, layers=4, heads=4, kv_heads=2, vocab=2048,
+              seq_len=64, batch=2, lora_rank=8, note="the default: about a minute on 2 CPU cores"),
+    ModelSize("medium", hidden=768, intermediate=2048, layers=8, heads=12, kv_heads=4,
+              vocab=8192, seq_len=256, batch=4, lora_rank=16,
+              note="~65 M params; a GPU or patience"),
+    ModelSize("1b", hidden=2048, intermediate=5632, layers=16, heads=32, kv_heads=8, vocab=32000,
+              seq_len=1024, batch=4, lora_rank=16, note="~1.1 B params, TinyLlama's shape; GPU"),
+)}
+DEFAULT_SIZE = "small"
+
+# Every linear layer, the output head included: with random base weights the adapters need a
+# direct path to the logits for the loss to fall within a few steps.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "lm_head")
+
+
+def build_lora_llama(size: ModelSize, seed: int = 0) -> Tuple[Any, Dict[str, int]]:
+    """A randomly initialised ``LlamaForCausalLM`` of ``size`` wrapped by PEFT LoRA on every
+    linear layer (:data:`LORA_TARGETS`); only the adapters train. Returns (model, counts) where
+    counts has ``params`` and ``trainable``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**size.llama_kwargs())
+    base = LlamaForCausalLM(config)
+    lora = LoraConfig(r=size.lora_rank, lora_alpha=2 * size.lora_rank, lora_dropout=0.0,
+                      target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
+    model = get_peft_model(base, lora)
+    counts = {"params": sum(p.numel() for p in model.parameters()),
+              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    return model, counts
+
+
+def synthetic_batch(size: ModelSize, step: int, rank: int, seed: int = 0) -> Any:
+    """Token ids ``[batch, seq_len]`` for one rank and step: counting sequences
+    (``t[i+1] = t[i] + stride mod vocab``) from a small fixed pool, so the loss can fall within a
+    few steps. Deterministic in (seed, step, rank)."""
+    import torch
+
+    pool = 4  # distinct sequences; every step draws from the same few, so they get memorised
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, size.vocab, (pool,), generator=g)
+    strides = torch.randint(1, 7, (pool,), generator=g)
+    pick = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    rows = torch.randint(0, pool, (size.batch,), generator=pick)
+    pos = torch.arange(size.seq_len)
+    return (starts[rows, None] + strides[rows, None] * pos[None, :]) % size.vocab
+
+
+def zero3_auto_values(hidden: int) -> Dict[str, int]:
+    """What HF Trainer's ``"auto"`` gives ZeRO-3's size settings for a model of this hidden size
+    (so that the demo's small weights are partitioned the way a large model's are)."""
+    return {"reduce_bucket_size": hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden}

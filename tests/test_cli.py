@@ -1,0 +1,45 @@
+"""The ``ds-z3native`` command line: its commands, and the entry points that reach them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "DS_Z3NATIVE"}
+    return subprocess.run([sys.executable, "-m", "ds_z3native", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_every_command() -> None:
+    r = _run("--help")
+    assert r.returncode == 0, r.stderr
+    for command in ("demo", "doctor", "selftest", "build-info"):
+        assert command in r.stdout
+
+
+def test_demo_help_names_the_options_and_model_sizes() -> None:
+    from ds_z3native.models import MODEL_SIZES
+
+    r = _run("demo", "--help")
+    assert r.returncode == 0, r.stderr
+    for option in ("--steps", "--ranks", "--model-size", "--deepcompile", "--without-fix"):
+        assert option in r.stdout
+    for name in MODEL_SIZES:
+        assert name in r.stdout
+
+
+def test_build_info_is_json_of_the_loaded_extension() -> None:
+    import ds_z3native
+
+    r = _run("build-info")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["flavour"] == ds_z3native.build_info()["flavour"]
+    assert info["torch_matches_build"] is True

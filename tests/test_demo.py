@@ -1,0 +1,138 @@
+"""``ds-z3native demo``: the README's first command trains, ``--without-fix`` shows DeepSpeed's
+failure where DeepSpeed has it, and the launcher refuses, times out and cleans up as it says.
+
+The demo runs as a user runs it (a subprocess of the console script / ``python -m``), on the
+DeepSpeed importable here; the ``deepspeed`` tests run on DeepSpeed 0.19.8 and again on 0.19.2.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_TIMEOUT = 300
+
+
+def _ds_version() -> Version:
+    deepspeed = pytest.importorskip("deepspeed")
+    return Version(Version(deepspeed.__version__.split("+")[0]).base_version)
+
+
+def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.pop("DS_Z3NATIVE", None)
+    # The console script lives beside the interpreter.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.update(extra or {})
+    return env
+
+
+def _run(cmd: List[str], extra_env: Optional[Dict[str, str]] = None,
+         timeout: float = DEMO_TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=_env(extra_env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _readme_demo_command() -> str:
+    """The last step of the README's first command (what runs the demo)."""
+    from test_cli_readme import readme_commands
+
+    return readme_commands()[0].split("&&")[-1].strip()
+
+
+def _losses(stdout: str) -> List[float]:
+    match = re.search(r"^\s*loss by step\s+(.+)$", stdout, re.M)
+    assert match, f"no 'loss by step' line in:\n{stdout}"
+    return [float(v) for v in match.group(1).split()]
+
+
+def _show(r: subprocess.CompletedProcess) -> str:
+    return f"exit {r.returncode}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr[-4000:]}"
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_readme_demo_command_trains() -> None:
+    """The README's demo command, as written: 2 gloo ranks, ZeRO-3, non-reentrant checkpointing,
+    install() applied: exit 0, a progress bar, every loss finite, and the loss falls."""
+    command = _readme_demo_command()
+    assert command.startswith("ds-z3native demo"), command
+    r = _run(shlex.split(command))
+    assert r.returncode == 0, _show(r)
+    assert re.search(r"^\s*outcome\s+OK$", r.stdout, re.M), _show(r)
+    losses = _losses(r.stdout)
+    assert len(losses) == 20 and all(math.isfinite(v) for v in losses), losses
+    assert min(losses[-5:]) < losses[0] - 0.5, f"the LoRA adapters did not learn: {losses}"
+    # tqdm's bar on stderr, with the step's loss, step time and peak memory.
+    assert re.search(r"LoRA fine-tune: 100%.*20/20.*step 20 loss [0-9.]+ [0-9.]+s/step peak RSS "
+                     r"[0-9.]+ MiB", r.stderr), r.stderr[-2000:]
+    expected = ("checkpoint_recompute_hardening" if _ds_version() >= Version("0.19.3")
+                else "checkpoint_recompute_frozen")
+    assert re.search(rf"^\s*fix\s+ds_z3native\.install\(\):.*{expected}", r.stdout, re.M), \
+        _show(r)
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_without_fix_shows_what_deepspeed_does() -> None:
+    """Without install(): DeepSpeed 0.19.0 - 0.19.2 fail with the CheckpointError users see
+    (a frozen param recomputed as shape [0]) and the demo says why and exits non-zero; from
+    0.19.3 DeepSpeed's own fix makes the run succeed, and the demo says so."""
+    r = _run([sys.executable, "-m", "ds_z3native", "demo", "--without-fix", "--device", "cpu",
+              "--model-size", "tiny", "--steps", "3", "--no-progress"])
+    assert re.search(r"^\s*fix\s+none \(--without-fix\)$", r.stdout, re.M), _show(r)
+    if _ds_version() >= Version("0.19.3"):
+        assert r.returncode == 0, _show(r)
+        assert all(math.isfinite(v) for v in _losses(r.stdout))
+        assert "carries its own fix" in r.stdout, _show(r)
+    else:
+        assert r.returncode == 1, _show(r)
+        assert re.search(r"^error \(rank \d at step 1\): CheckpointError$", r.stdout, re.M), \
+            _show(r)
+        assert re.search(r"recomputed metadata: \{'shape': torch\.Size\(\[0\]\)", r.stdout), \
+            _show(r)
+        assert re.search(r"^why: DeepSpeed 0\.19\.\d's ZeRO-3 frees frozen params", r.stdout,
+                         re.M), _show(r)
+
+
+def test_deepcompile_on_cpu_is_refused() -> None:
+    """DeepSpeed's DeepCompile runs only on CUDA: refused before any rank starts, exit 2."""
+    start = time.monotonic()
+    r = _run([sys.executable, "-m", "ds_z3native", "demo", "--deepcompile", "--device", "cpu"],
+             timeout=120)
+    assert r.returncode == 2, _show(r)
+    assert "--deepcompile needs CUDA GPUs" in r.stderr, _show(r)
+    assert "starting" not in r.stderr and r.stdout == "", _show(r)
+    assert time.monotonic() - start < 120
+
+
+def test_unknown_model_size_is_refused() -> None:
+    r = _run([sys.executable, "-m", "ds_z3native", "demo", "--model-size", "huge"], timeout=120)
+    assert r.returncode == 2 and "invalid choice: 'huge'" in r.stderr, _show(r)
+
+
+def test_no_progress_stops_the_ranks() -> None:
+    """A run that stops reporting (here: --timeout shorter than the ranks' set-up) fails with a
+    clear message and leaves no rank process behind."""
+    from ds_z3native.demo import EXIT_FAILED, DemoOptions, format_summary, run_demo
+
+    before = set(multiprocessing.active_children())
+    result = run_demo(DemoOptions(steps=2, ranks=2, model_size="tiny", device="cpu",
+                                  timeout=1.0, progress=False))
+    assert result.exit_code == EXIT_FAILED
+    assert result.error is not None and result.error["type"] == "Timeout", result.error
+    assert "no progress from the ranks for 1 s" in format_summary(result)
+    left = [p for p in multiprocessing.active_children() if p not in before]
+    assert left == [], f"rank processes still running: {left}"

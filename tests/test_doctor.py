@@ -1,0 +1,134 @@
+"""``ds-z3native doctor``: versions, build, would install() work, zero-code activation, self-test.
+
+Each case runs the doctor in a fresh interpreter, as a user does. The first runs it from a
+virtual environment whose site-packages holds the start-up file (as a pip install puts it
+there), so that its activation check sees a real ``import deepspeed`` under DS_Z3NATIVE=1
+whatever this machine's own site-packages holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 240
+
+
+def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "DS_Z3NATIVE"}
+    env.update(extra or {})
+    return env
+
+
+def _by_name(report: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def _show(r: subprocess.CompletedProcess) -> str:
+    return f"exit {r.returncode}\n--- stdout\n{r.stdout[-6000:]}\n--- stderr\n{r.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def venv_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A venv over this interpreter's packages whose own site-packages holds the start-up file,
+    behind a path entry for the directory ds_z3native_autoload is imported from."""
+    import ds_z3native_autoload
+
+    root = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(root)], check=True, timeout=120)
+    python = str(root / "bin" / "python")
+    site_dir = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+    # .pth files run in name order: the path entry first, as pip's editable install does.
+    Path(site_dir, "00-ds_z3native-path.pth").write_text(
+        os.path.dirname(ds_z3native_autoload.__file__) + "\n")
+    ds_z3native_autoload.write_pth(site_dir)
+    return python
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_doctor_json_reports_a_ready_environment(venv_python: str) -> None:
+    """Valid JSON naming the running DeepSpeed; every check passes where ds_z3native is installed
+    with its start-up file: install() would succeed with this version's patches, DS_Z3NATIVE=1
+    installs it at `import deepspeed` (checked in a fresh interpreter), the self-test passes."""
+    import deepspeed
+
+    from ds_z3native.compat import deepspeed_version
+    from ds_z3native.compat.registry import patches_for
+
+    r = subprocess.run([venv_python, "-m", "ds_z3native", "doctor", "--json"], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    report = json.loads(r.stdout)  # stdout holds the JSON alone (DeepSpeed's logs go to stderr)
+    assert r.returncode == 0, _show(r)
+    assert report["versions"]["deepspeed"] == deepspeed.__version__
+    checks = _by_name(report)
+    assert [c["name"] for c in report["checks"]] == [
+        "python", "torch", "cuda", *(["nccl"] if "nccl" in checks else []), "native extension",
+        "deepspeed", "install() would succeed", "patches for this DeepSpeed",
+        "DS_Z3NATIVE activation", "demo packages", "self-test"]
+    failed = [c for c in report["checks"] if c["status"] == "FAIL"]
+    assert report["ok"] and not failed, failed
+    assert checks["deepspeed"]["data"]["version"] == deepspeed.__version__
+    install = checks["install() would succeed"]
+    assert install["status"] == "PASS" and install["data"]["verdict"] == "supported", install
+    assert install["data"]["mismatches"] == [] and install["data"]["dc_owner"] is None
+    assert [p["name"] for p in checks["patches for this DeepSpeed"]["data"]["patches"]] == \
+        [p.name for p in patches_for(deepspeed_version())]
+    activation = checks["DS_Z3NATIVE activation"]
+    assert activation["status"] == "PASS", activation
+    assert activation["data"]["probe"] == {"hook_armed": True, "installed": True,
+                                           "deepspeed": deepspeed.__version__}
+    assert activation["data"]["requested"] is False
+    selftest = checks["self-test"]
+    assert selftest["status"] == "PASS", selftest
+    names = [c["name"] for c in selftest["data"]["checks"]]
+    assert "a gradient for a frozen param is refused" in names
+    assert all(c["ok"] for c in selftest["data"]["checks"])
+
+
+def test_unreadable_ds_z3native_fails() -> None:
+    """DS_Z3NATIVE=maybe would make `import deepspeed` raise: FAIL, exit 1, with what to do."""
+    r = subprocess.run([sys.executable, "-m", "ds_z3native", "doctor", "--json", "--no-selftest"],
+                       cwd=ROOT, env=_env({"DS_Z3NATIVE": "maybe"}), capture_output=True,
+                       text=True, timeout=TIMEOUT)
+    assert r.returncode == 1, _show(r)
+    report = json.loads(r.stdout)
+    assert report["ok"] is False and report["counts"]["FAIL"] >= 1
+    activation = _by_name(report)["DS_Z3NATIVE activation"]
+    assert activation["status"] == "FAIL", activation
+    assert "'maybe' is not understood" in activation["detail"]
+    assert activation["fix"] == "set DS_Z3NATIVE=1 or unset it"
+
+
+def test_ds_z3native_set_without_the_startup_hook_fails() -> None:
+    """DS_Z3NATIVE=1 set after the interpreter started (so the start-up file never armed the
+    hook): DeepSpeed would run without ds_z3native although the user asked for it. One verdict
+    line per check, the FAIL followed by what to do, and a closing NOT ready line; exit 1."""
+    code = textwrap.dedent("""
+        import os, sys
+        os.environ["DS_Z3NATIVE"] = "1"
+        from ds_z3native.cli import main
+        sys.exit(main(["doctor", "--no-selftest"]))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=TIMEOUT)
+    assert r.returncode == 1, _show(r)
+    lines: List[str] = r.stdout.splitlines()
+    verdicts = [ln for ln in lines if ln.startswith("[")]
+    assert all(ln[:6] in ("[PASS]", "[WARN]", "[FAIL]") for ln in verdicts), verdicts
+    fail = [i for i, ln in enumerate(lines) if ln.startswith("[FAIL] DS_Z3NATIVE activation")]
+    assert len(fail) == 1, _show(r)
+    assert "the start-up hook did not run" in lines[fail[0]]
+    assert lines[fail[0] + 1].strip().startswith("-> "), lines[fail[0] + 1]
+    assert "ds_z3native.install()" in lines[fail[0] + 1]
+    assert lines[-1].endswith("NOT ready: fix the FAIL lines above"), lines[-1]

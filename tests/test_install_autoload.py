@@ -51,8 +51,8 @@ def test_startup_file_is_installed() -> None:
         assert Path(path).read_text() == autoload.PTH_LINE, f"{path} is stale"
 
 
-@pytest.mark.parametrize("value", [None, "", "0", "off"])
-def test_unset_imports_nothing_and_installs_nothing(site_dir: Path, value: Optional[str]) -> None:
+@pytest.mark.parametrize("value", [None, "off"])
+def test_unset_or_off_imports_nothing_and_installs_nothing(site_dir: Path, value: Optional[str]) -> None:
     r = _run(site_dir, value, """
         print("@startup", sorted(m for m in ("torch", "ds_z3native", "ds_z3native_autoload", "deepspeed")
                                  if m in sys.modules))
@@ -68,9 +68,24 @@ def test_unset_imports_nothing_and_installs_nothing(site_dir: Path, value: Optio
     assert f["@after"] == "False True"
 
 
-@pytest.mark.parametrize("value", ["1", "true"])
-def test_set_installs_at_import_deepspeed(site_dir: Path, value: str) -> None:
+@pytest.mark.parametrize("value", ["", "0"])
+def test_empty_or_zero_costs_an_environment_lookup(site_dir: Path, value: str) -> None:
     r = _run(site_dir, value, """
+        print("@startup", sorted(m for m in ("torch", "ds_z3native", "ds_z3native_autoload")
+                                 if m in sys.modules))
+        """)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _fields(r.stdout)["@startup"] == "[]"
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("ON", True), (" yes ", True),
+                                             ("", False), ("0", False), ("off", False), ("No", False)])
+def test_values_of_the_variable(value: str, expected: bool) -> None:
+    assert autoload.requested(value) is expected
+
+
+def test_set_installs_at_import_deepspeed(site_dir: Path) -> None:
+    r = _run(site_dir, "1", """
         print("@startup", sorted(m for m in ("torch", "ds_z3native", "deepspeed") if m in sys.modules))
         import deepspeed
         print("@imported", "ds_z3native" in sys.modules)

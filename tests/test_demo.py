@@ -136,3 +136,36 @@ def test_no_progress_stops_the_ranks() -> None:
     assert "no progress from the ranks for 1 s" in format_summary(result)
     left = [p for p in multiprocessing.active_children() if p not in before]
     assert left == [], f"rank processes still running: {left}"
+
+
+def test_a_dead_rank_fails_the_run_and_stops_the_others() -> None:
+    """A rank killed from outside (SIGKILL: no error of its own to report) fails the run with
+    exit code 1 and a message naming that rank; the other rank is stopped."""
+    import signal
+    import threading
+
+    from ds_z3native.demo import EXIT_FAILED, DemoOptions, format_summary, run_demo
+
+    before = set(multiprocessing.active_children())
+    results = []
+    runner = threading.Thread(target=lambda: results.append(run_demo(DemoOptions(
+        steps=50, ranks=2, model_size="tiny", device="cpu", progress=False))))
+    runner.start()
+    deadline = time.monotonic() + 60
+    ranks: list = []
+    while len(ranks) < 2 and time.monotonic() < deadline:
+        ranks = sorted((p for p in multiprocessing.active_children()
+                        if p not in before and p.name.startswith("ds-z3native-demo-rank")),
+                       key=lambda p: p.name)
+        time.sleep(0.2)
+    assert len(ranks) == 2, ranks
+    time.sleep(2)  # let them get going
+    os.kill(ranks[1].pid, signal.SIGKILL)
+    runner.join(120)
+    assert not runner.is_alive()
+    result = results[0]
+    assert result.exit_code == EXIT_FAILED
+    assert result.error is not None and result.error["type"] == "RankDied", result.error
+    assert result.error["rank"] == 1
+    assert "rank 1 exited with code -9" in format_summary(result)
+    assert not ranks[0].is_alive() and ranks[0].exitcode is not None

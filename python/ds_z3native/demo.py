@@ -516,7 +516,8 @@ def format_summary(result: DemoResult) -> str:
     if result.peak_memory_bytes:
         rows.append((f"peak memory ({result.peak_memory_kind}, rank 0)",
                      _fmt_bytes(result.peak_memory_bytes)))
-    rows.append(("wall time", f"{result.wall_seconds:.1f} s (setup {result.setup_seconds:.1f} s)"))
+    setup = f" (setup {result.setup_seconds:.1f} s)" if result.setup_seconds else ""
+    rows.append(("wall time", f"{result.wall_seconds:.1f} s{setup}"))
     rows.append(("rank logs", result.log_dir))
     width = max(len(k) for k, _ in rows)
     out = [f"  {k.ljust(width)}  {v}" for k, v in rows]
@@ -532,8 +533,12 @@ def format_summary(result: DemoResult) -> str:
         out += [f"  {ln}" for ln in _error_excerpt(err["message"])]
         if err.get("why"):
             out.append(f"why: {err['why']}")
-        out.append(f"full traceback: {os.path.join(result.log_dir, 'rank%s.log' % err['rank'])}"
-                   if err.get("rank") is not None else f"rank logs: {result.log_dir}")
+        if err.get("rank") is not None:
+            log_file = os.path.join(result.log_dir, f"rank{err['rank']}.log")
+            out.append(f"full traceback: {log_file}" if err.get("traceback") else
+                       f"rank log: {log_file}")
+        else:
+            out.append(f"rank logs: {result.log_dir}")
     if result.note:
         out.append("")
         out.append(f"note: {result.note}")

@@ -180,7 +180,7 @@ setup(
     packages=find_packages("python"),
     py_modules=["ds_z3native_autoload"],
     ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension, "build_py": build_py_with_autoload},
+    cmdclass={"build_ext": BuildExt, "build_py": build_py_with_autoload},
     python_requires=">=3.9",
     install_requires=["torch>=2.6"],
     extras_require={

@@ -285,6 +285,14 @@ def _resolve(opts: DemoOptions) -> tuple:
                           "CUDA accelerator (deepspeed.compile.util.is_deepcompile_supported). On "
                           "CPU run the eager demo (without --deepcompile); `ds-z3native selftest` "
                           "drives ds_z3native's dc op itself on CPU ranks.")
+    if opts.deepcompile and not opts.without_fix:
+        from . import build_info
+
+        if build_info()["flavour"] != "cuda":
+            raise DemoRefused("--deepcompile on GPUs runs ds_z3native's dc op over NCCL, but this "
+                              "ds_z3native was built without CUDA (CPU flavour): reinstall it "
+                              "where torch has CUDA and CUDA_HOME is set (`DS_Z3NATIVE_CUDA=1 pip "
+                              "install --no-build-isolation -e .`)")
     world = opts.ranks if opts.ranks is not None else (torch.cuda.device_count() if cuda else 2)
     if world < 1:
         raise DemoRefused(f"--ranks must be at least 1, got {world}")

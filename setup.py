@@ -182,7 +182,7 @@ setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExt, "build_py": build_py_with_autoload},
     python_requires=">=3.9",
-    install_requires=["torch>=2.6"],
+    install_requires=["torch>=2.6", "packaging"],
     extras_require={
         "test": ["pytest>=7", "expecttest", "deepspeed>=0.19.0,<0.20"],
         "demo": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12", "tqdm>=4.60"],

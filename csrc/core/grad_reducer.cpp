@@ -2,6 +2,8 @@
 
 #include <ATen/ops/empty.h>
 
+#include <unordered_set>
+
 #include "core/check.h"
 
 namespace dsz {
@@ -124,12 +126,15 @@ void GradReducer::flush(at::ScalarType dtype, PerDtype& state)
         // Receive directly into the grad buffer unless the result must be added or converted.
         std::vector<at::Tensor> recv(params.size());
         std::vector<bool> staged(params.size(), false);
+        std::unordered_set<int64_t> receiving;  // params whose first gradient lands directly
         int64_t staged_numel = 0;
         for (size_t i = 0; i < params.size(); ++i) {
             const ParamEntry& p = *params[i];
             if (!p.partitioned) { continue; }
+            // A second gradient of the same param in one flush must be added, not received over
+            // the first.
             staged[i] = p.grad_accumulated || p.grad_buffer.scalar_type() != dtype ||
-                        !p.grad_buffer.is_contiguous();
+                        !p.grad_buffer.is_contiguous() || !receiving.insert(p.ds_id).second;
             if (staged[i]) { staged_numel += p.layout.per_rank; }
         }
         at::Tensor staging;

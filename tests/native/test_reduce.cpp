@@ -69,6 +69,24 @@ TEST_P(ReduceAtWorldSize, MeanOverRanksLandsInEachShardWithZeroPadding)
     });
 }
 
+TEST_P(ReduceAtWorldSize, TwoGradientsOfOneParamInOneFlushAreSummed)
+{
+    // Both gradients sit in the same bucket and flush together: the second must be added to
+    // the first, not received over it.
+    const int64_t ws = GetParam();
+    const std::vector<int64_t> shape = {3, 7};
+    runRanks(ws, smallConfig(), [&](int64_t rank, Runtime& rt) {
+        at::Tensor buf = registerZ3(rt, 1, shape);
+        rt.registerGraph(kGraph, {1}, ZeroStage::Z3);
+        rt.startBackward(true);
+        rt.reduceGrad(kGraph, 1, rankGrad(1, shape, rank, 0));
+        rt.reduceGrad(kGraph, 1, rankGrad(1, shape, rank, 1));
+        rt.endBackward(kGraph, true);
+        EXPECT_EQ(rt.stats().bucket_flushes, 1);
+        expectShard(buf, expectedShard(1, shape, ws, rank, {0, 1}), 1);
+    });
+}
+
 TEST_P(ReduceAtWorldSize, AccumulatesWithinAWindowAndOverwritesInTheNext)
 {
     const int64_t ws = GetParam();

@@ -1,0 +1,107 @@
+"""The eager seed reproduction on one GPU over NCCL: a frozen LayerNorm feeding a trainable Linear,
+two blocks under non-reentrant torch.utils.checkpoint, D=1024, ZeRO-3, 3 steps (fp32).
+
+DeepSpeed alone fails before 0.19.3 (CheckpointError: a frozen [1024] norm weight recomputed as
+[0]); with ``ds_z3native.install()`` every version trains like plain PyTorch, and no
+non-persistent param stays gathered after a backward.
+
+Run on the GPU host, for each DeepSpeed version:
+    bash .gpu/run.sh 0.19.8 'python3 -m pytest -m gpu tests/gpu/test_eager_recompute_gpu.py -q'
+    bash .gpu/run.sh 0.19.2 'python3 -m pytest -m gpu tests/gpu/test_eager_recompute_gpu.py -q'
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Any, Dict
+
+import pytest
+import torch
+from packaging.version import Version
+
+from helpers.dist import run_ranks
+from test_eager_recompute import SEED, Net, _batches, _ds_config, _reference, _zero_state_violations
+
+pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed]
+
+deepspeed = pytest.importorskip("deepspeed")
+UPSTREAM_FIX = Version(deepspeed.__version__.split("+")[0]) >= Version("0.19.3")
+
+
+def _train(device: torch.device, rank: int, world_size: int) -> Dict[str, Any]:
+    from deepspeed.runtime.zero import parameter_offload
+
+    torch.manual_seed(7)
+    model = Net(SEED)
+    reference = _reference(copy.deepcopy(model), SEED, _batches(SEED, world_size), rank,
+                           world_size)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable,
+                                      config=_ds_config(SEED))
+    stack_len = len(parameter_offload.FWD_MODULE_STACK)
+    out: Dict[str, Any] = {"losses": [], "violations": []}
+    try:
+        for step_batches in _batches(SEED, world_size):
+            loss = engine(step_batches[0][rank].to(device))
+            engine.backward(loss)
+            out["violations"] += _zero_state_violations(model, stack_len)
+            engine.step()
+            out["losses"].append(loss.item())
+    except Exception:  # noqa: BLE001 - the parent asserts on it
+        out["error"] = traceback.format_exc()
+        engine.destroy()
+        return out
+    out["params"] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            with deepspeed.zero.GatheredParameters([p]):
+                out["params"][name] = p.detach().cpu().clone()
+    out["reference"] = reference
+    engine.destroy()
+    return out
+
+
+def seed_on_device(rank: int, world_size: int, device_type: str, backend: str) -> Dict[str, Any]:
+    """DeepSpeed alone, then with ds_z3native.install(), on ``device_type`` over ``backend``."""
+    import torch.distributed as dist
+
+    import ds_z3native
+
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    else:  # the same code path on CPU (a check of this test off the GPU host)
+        from test_eager_recompute import _no_shm_comm
+
+        _no_shm_comm()
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    results = {"unpatched": _train(device, rank, world_size)}
+    results["patches"] = list(ds_z3native.install().patches)
+    results["installed"] = _train(device, rank, world_size)
+    ds_z3native.uninstall()
+    return results
+
+
+def check(results: Dict[str, Any], rtol: float, atol: float) -> None:
+    unpatched, got = results["unpatched"], results["installed"]
+    if UPSTREAM_FIX:
+        assert "error" not in unpatched, unpatched["error"]
+    else:
+        assert "CheckpointError" in unpatched.get("error", ""), unpatched
+        assert "recomputed metadata: {'shape': torch.Size([0])" in unpatched["error"]
+    assert "error" not in got, got["error"]
+    assert got["violations"] == [], got["violations"]
+    ref = got["reference"]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
+                               rtol=rtol, atol=atol)
+    for name, value in got["params"].items():
+        torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_seed_reproduction_one_gpu_nccl() -> None:
+    results = run_ranks(seed_on_device, 1, "cuda", "nccl", env={"DS_ACCELERATOR": "cuda"},
+                        init_pg=False, timeout=600.0)[0]
+    # cuBLAS and the CPU reference sum in different orders
+    check(results, rtol=1e-4, atol=1e-5)

@@ -160,6 +160,7 @@ class Case:
     raise_at_step: Optional[int] = None  # the last block's recompute raises once in this step
     early_stop: bool = True  # torch.utils.checkpoint's early stop
     probe_last_use: bool = False  # record what is gathered while the block's backward runs
+    torch_backward: bool = False  # loss.backward() + release_leftovers(engine), not engine.backward
     steps: int = 3
     rows: int = 4  # per micro-batch and rank
 
@@ -179,6 +180,7 @@ LORA_RAISE_RETRY = Case("lora-raise-retry", raise_at_step=1)
 LORA_REENTRANT = Case("lora-reentrant", checkpoint="reentrant")
 LORA_DEFAULT_PERSISTENCE = Case("lora-default-persistence", dim=512, persistence=None)
 NO_EARLY_STOP = Case("no-early-stop", early_stop=False)
+TORCH_BACKWARD = Case("lora-torch-backward", input_grad=False, torch_backward=True)
 NO_EARLY_STOP_TRAINABLE = Case("no-early-stop-trainable", model="seed", frozen=False,
                                early_stop=False)
 GATED_LAST_USE = Case("gated-last-use", model="gated", probe_last_use=True)
@@ -270,6 +272,8 @@ def _train(case: Case, rank: int, world_size: int) -> Dict[str, Any]:
     """Trains ``case`` under ZeRO-3 and in plain PyTorch; returns what the parent compares."""
     from deepspeed.runtime.zero import parameter_offload
 
+    from ds_z3native.compat.checkpoint_recompute import release_leftovers
+
     torch.manual_seed(7)
     model = Net(case)
     reference = _reference(copy.deepcopy(model), case, _batches(case, world_size), rank,
@@ -284,7 +288,11 @@ def _train(case: Case, rank: int, world_size: int) -> Dict[str, Any]:
     def forward_backward(x: torch.Tensor) -> float:
         with torch.utils.checkpoint.set_checkpoint_early_stop(case.early_stop):
             loss = engine(x)
-        engine.backward(loss)
+        if case.torch_backward:
+            loss.backward()
+            release_leftovers(engine)
+        else:
+            engine.backward(loss)
         out["violations"] += [f"step {step}: {v}" for v in
                               _zero_state_violations(model, stack_len)]
         return loss.item()
@@ -373,7 +381,7 @@ def _assert_trained_like_pytorch(name: str, got: Dict[str, Any]) -> None:
 
 PATCHED_CASES = [SEED, SEED_DEFAULT_PERSISTENCE, LORA, LORA_NO_INPUT_GRAD, LORA_GAS2, LORA_REUSE,
                  LORA_RAISE_RETRY, LORA_REENTRANT, LORA_DEFAULT_PERSISTENCE, NO_EARLY_STOP,
-                 NO_EARLY_STOP_TRAINABLE]
+                 NO_EARLY_STOP_TRAINABLE, TORCH_BACKWARD]
 
 
 def _assert_group(results: List[Dict[str, Any]], cases: Sequence[Case]) -> None:

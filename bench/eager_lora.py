@@ -28,7 +28,8 @@ On the GPU host (one GPU; for several use ``torchrun --nproc_per_node=N``):
         python3 bench/eager_lora.py --variant $v --output out/eager_lora/$v-0.19.8.json; done &&
       PYTHONPATH=/tmp/ds192:$PYTHONPATH python3 bench/eager_lora.py --variant ours \\
         --output out/eager_lora/ours-0.19.2.json &&
-      python3 bench/eager_lora.py merge out/eager_lora/*.json --output bench/results/eager_lora.json'
+      python3 bench/eager_lora.py merge out/eager_lora/*.json \\
+        --output bench/results/eager_lora.json'
 
 On a CPU: ``DS_ACCELERATOR=cpu python bench/eager_lora.py --size toy --variant ours``.
 """

@@ -425,10 +425,11 @@ def test_install_two_ranks() -> None:
 
 @pytest.mark.slow
 def test_unpatched_deepspeed_fails() -> None:
-    """DeepSpeed alone: the seed reproduction raises CheckpointError before 0.19.3; with early
-    stop off every 0.19.x partitions a param its running backward still needs (no frozen params
-    needed for that one)."""
-    results = run_ranks(run_group, 1, "unpatched", [SEED, NO_EARLY_STOP_TRAINABLE],
+    """DeepSpeed alone: the seed reproduction raises CheckpointError before 0.19.3; from 0.19.3
+    recomputed frozen params stay gathered past their last use when the block's own op starts the
+    recompute; with early stop off every 0.19.x partitions a param its running backward still
+    needs (no frozen params needed for that one)."""
+    results = run_ranks(run_group, 1, "unpatched", [SEED, NO_EARLY_STOP_TRAINABLE, GATED_LAST_USE],
                         timeout=RANK_TIMEOUT)[0]
     assert results["_mode"] is None
     seed = results[SEED.name]
@@ -439,5 +440,15 @@ def test_unpatched_deepspeed_fails() -> None:
     else:
         assert "CheckpointError" in seed.get("error", ""), seed
         assert "recomputed metadata: {'shape': torch.Size([0])" in seed["error"]
+    gated = results[GATED_LAST_USE.name]
+    if UPSTREAM_FIX:
+        # DeepSpeed attributes the recomputed frozen params to the block (its gate op starts the
+        # recompute) and keeps them all until the block's backward ends.
+        assert "error" not in gated, gated["error"]
+        for seen in gated["probe"]:
+            assert seen == {"gate.weight": "AVAILABLE", "o.base.weight": "AVAILABLE",
+                            "norm.weight": "AVAILABLE"}, seen
+    else:
+        assert "CheckpointError" in gated.get("error", ""), gated
     no_early_stop = results[NO_EARLY_STOP_TRAINABLE.name]
     assert "The size of tensor a (0) must match" in no_early_stop.get("error", ""), no_early_stop

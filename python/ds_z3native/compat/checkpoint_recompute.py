@@ -17,13 +17,15 @@ every frozen param of the block stays gathered until the whole block's backward 
 
 **Holds** (:data:`RECOMPUTE_FROZEN`, DeepSpeed 0.19.0 – 0.19.2). During a non-reentrant recompute
 (``ds_z3native.current_graph_task_id() != -1`` with a saved-tensor hook active) each frozen param
-that a module M fetches gets a hold: a token in ``param.ds_active_sub_modules``,
-so that the recompute's forward release leaves it gathered. The hold ends at the first of
+that a module fetches gets a hold: a token in ``param.ds_active_sub_modules``, so that the
+recompute's forward release leaves it gathered. The hold ends at the first of
 
-* the end of the backward of the last of its modules M to finish backward (its last use);
-* the end of the trigger's backward, while none of its modules has begun backward: such a module
+* the end of the backward of the module that used it (of the last such module to finish backward,
+  for a param shared by several): its last use;
+* the end of the trigger's backward, if none of those modules has begun its backward by then: each
   gathers the param again in its own pre-backward hook, so releasing it there costs no use and
-  keeps residency at or below DeepSpeed 0.19.3+'s.
+  keeps residency at or below DeepSpeed 0.19.3+'s;
+* the end of backward (below).
 
 At the end of the recompute every frozen param it saved must be gathered (checkpoint checks
 their shapes then), in this scheme and in DeepSpeed's, so the two have the same peak of gathered

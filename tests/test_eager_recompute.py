@@ -31,6 +31,7 @@ import torch.nn as nn
 from packaging.version import Version
 
 from helpers.dist import run_ranks
+from helpers.zero import gathered_trainable
 
 pytestmark = pytest.mark.deepspeed
 
@@ -318,13 +319,7 @@ def _train(case: Case, rank: int, world_size: int) -> Dict[str, Any]:
         if probe is not None:
             probe.handle.remove()
             out["probe"] = probe.seen
-    out["params"] = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            # One at a time: DeepSpeed 0.19.2's coalesced gather waits on the last gloo handle
-            # only, so the other params of a list may be read before their data arrives.
-            with deepspeed.zero.GatheredParameters([p]):
-                out["params"][name] = p.detach().clone()
+    out["params"] = gathered_trainable(model)
     out["reference"] = reference
     engine.destroy()
     return out

@@ -18,6 +18,7 @@ import torch
 from packaging.version import Version
 
 from helpers.dist import run_ranks
+from helpers.zero import gathered_trainable
 
 pytestmark = pytest.mark.deepspeed
 
@@ -108,11 +109,7 @@ def _train(rank: int, world_size: int) -> Dict[str, Any]:
         out["error"] = traceback.format_exc()
         engine.destroy()
         return out
-    out["params"] = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            with deepspeed.zero.GatheredParameters([p]):  # one at a time: see test_eager_recompute
-                out["params"][name] = p.detach().clone()
+    out["params"] = gathered_trainable(model)
     out["reference"] = reference
     engine.destroy()
     return out

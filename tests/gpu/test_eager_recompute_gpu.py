@@ -21,6 +21,7 @@ import torch
 from packaging.version import Version
 
 from helpers.dist import run_ranks
+from helpers.zero import gathered_trainable
 from test_eager_recompute import SEED, Net, _batches, _ds_config, _reference, _zero_state_violations
 
 pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed]
@@ -52,11 +53,7 @@ def _train(device: torch.device, rank: int, world_size: int) -> Dict[str, Any]:
         out["error"] = traceback.format_exc()
         engine.destroy()
         return out
-    out["params"] = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            with deepspeed.zero.GatheredParameters([p]):
-                out["params"][name] = p.detach().cpu().clone()
+    out["params"] = gathered_trainable(model)
     out["reference"] = reference
     engine.destroy()
     return out

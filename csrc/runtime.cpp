@@ -22,11 +22,25 @@ int64_t numelOf(const std::vector<int64_t>& shape, const char* op, int64_t ds_id
     return n;
 }
 
-void checkGradBuffer(const at::Tensor& buf, int64_t ds_id, const char* op)
+// Checks a non-empty grad buffer against the param it serves (ZeRO-3: it holds the whole
+// shard; ZeRO-1/2: it fits inside the param at `offset`) and zeroes it. Empty or undefined
+// buffers pass untouched.
+void prepareGradBuffer(const at::Tensor& buf, const ParamEntry& e, int64_t offset, const char* op)
 {
-    DSZ_CHECK(at::isFloatingType(buf.scalar_type()), op, "grad buffer of ds_id ", ds_id,
+    if (!buf.defined() || buf.numel() == 0) { return; }
+    DSZ_CHECK(at::isFloatingType(buf.scalar_type()), op, "grad buffer of ds_id ", e.ds_id,
               " must be floating point, got ", buf.scalar_type());
-    DSZ_CHECK(buf.is_contiguous(), op, "grad buffer of ds_id ", ds_id, " must be contiguous");
+    DSZ_CHECK(buf.is_contiguous(), op, "grad buffer of ds_id ", e.ds_id, " must be contiguous");
+    if (e.partitioned) {
+        DSZ_CHECK(buf.numel() >= e.layout.per_rank, op, "grad buffer of ds_id ", e.ds_id, " has ",
+                  buf.numel(), " elements, its shard needs ceil(", e.numel, " / ",
+                  e.layout.world_size, ") = ", e.layout.per_rank);
+    } else {
+        DSZ_CHECK(offset >= 0 && offset + buf.numel() <= e.numel, op, "ds_id ", e.ds_id,
+                  ": grad buffer of ", buf.numel(), " elements at offset ", offset,
+                  " does not fit a param of ", e.numel);
+    }
+    buf.zero_();
 }
 
 }  // namespace
@@ -90,11 +104,7 @@ void Runtime::registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape,
     // An undefined or empty buffer is how DeepSpeed registers a param without gradients.
     e.frozen = !(grad_buffer.defined() && grad_buffer.numel() > 0);
     if (!e.frozen) {
-        checkGradBuffer(grad_buffer, ds_id, op);
-        DSZ_CHECK(grad_buffer.numel() >= e.layout.per_rank, op, "grad buffer of ds_id ", ds_id,
-                  " has ", grad_buffer.numel(), " elements, its shard needs ceil(", e.numel,
-                  " / ", e.layout.world_size, ") = ", e.layout.per_rank);
-        grad_buffer.zero_();
+        prepareGradBuffer(grad_buffer, e, 0, op);
         e.grad_buffer = grad_buffer;
     }
     // Registering an id again replaces it (and drops its gathered copy): the latest shard wins.
@@ -117,13 +127,7 @@ void Runtime::registerParam(int64_t ds_id, const std::vector<int64_t>& shape,
     e.shard = param;
     e.partitioned = false;
     // Checked before the entry is stored: a refused call leaves the registry as it was.
-    if (grad_buffer.defined() && grad_buffer.numel() > 0) {
-        checkGradBuffer(grad_buffer, ds_id, op);
-        DSZ_CHECK(offset >= 0 && offset + grad_buffer.numel() <= e.numel, op, "ds_id ", ds_id,
-                  ": grad buffer of ", grad_buffer.numel(), " elements at offset ", offset,
-                  " does not fit a param of ", e.numel);
-        grad_buffer.zero_();
-    }
+    prepareGradBuffer(grad_buffer, e, offset, op);
     e.grad_buffer = grad_buffer;
     e.grad_offset = offset;
     registry_.put(std::move(e));
@@ -134,19 +138,7 @@ void Runtime::updateParamGradBuffer(int64_t ds_id, const at::Tensor& grad_buffer
     DSZ_LOCK;
     const char* op = "update_param_grad_buffer";
     ParamEntry& p = registry_.get(ds_id, op);
-    if (grad_buffer.defined() && grad_buffer.numel() > 0) {
-        checkGradBuffer(grad_buffer, ds_id, op);
-        if (p.partitioned) {
-            DSZ_CHECK(grad_buffer.numel() >= p.layout.per_rank, op, "grad buffer of ds_id ",
-                      ds_id, " has ", grad_buffer.numel(), " elements, its shard needs ",
-                      p.layout.per_rank);
-        } else {
-            DSZ_CHECK(offset >= 0 && offset + grad_buffer.numel() <= p.numel, op, "ds_id ", ds_id,
-                      ": grad buffer of ", grad_buffer.numel(), " elements at offset ", offset,
-                      " does not fit a param of ", p.numel);
-        }
-        grad_buffer.zero_();
-    }
+    prepareGradBuffer(grad_buffer, p, offset, op);
     p.grad_buffer = grad_buffer;
     p.grad_offset = offset;
 }

@@ -1,0 +1,7 @@
+"""ds_z3native's benchmark suite: ``python -m bench <name|all> [--smoke]`` (or ``ds-z3native bench``).
+
+Each benchmark is registered by name in ``bench.suite`` with a GPU command builder (what runs on
+the GPU host) and a ``--smoke`` CPU toy-size mode (what CI runs). Each writes one JSON file under
+``bench/results/``; ``python -m bench.report`` turns them into the README table and a plot.
+This folder lives in the source checkout only: it is not installed with the package.
+"""

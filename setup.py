@@ -186,6 +186,8 @@ setup(
     extras_require={
         "test": ["pytest>=7", "expecttest", "deepspeed>=0.19.0,<0.20"],
         "demo": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12", "tqdm>=4.60"],
+        "bench": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12",
+                  "matplotlib>=3.5"],
     },
     entry_points={"console_scripts": ["ds-z3native=ds_z3native.cli:main"]},
     zip_safe=False,

@@ -1,0 +1,344 @@
+"""README table and plot from the benchmark results: ``python -m bench.report``.
+
+Reads every ``bench/results/*.json`` (suite results, and ``bench/eager_lora.py merge`` output;
+smoke results are skipped unless ``--include-smoke``), then
+
+* rewrites the markdown between ``<!-- bench-table:begin -->`` and ``<!-- bench-table:end -->``
+  in README.md (nothing else in the file changes; running it twice changes nothing);
+* draws ``bench/results/summary.png``: step time and peak memory per variant, one row per
+  benchmark (needs matplotlib: ``pip install -e ".[bench]"``; without it the table is still
+  written and the message says so).
+
+``--check`` writes nothing and exits 1 when the README block is not what the results give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from bench.suite import (RESULTS_DIR, ROOT, add_ratios, metric_value, run_deepspeed, run_ok,
+                         run_variant)
+
+log = logging.getLogger("bench.report")
+
+__all__ = ["BEGIN", "END", "load_results", "render_block", "replace_block", "update_readme",
+           "plot_summary", "main"]
+
+BEGIN = "<!-- bench-table:begin -->"
+END = "<!-- bench-table:end -->"
+ORDER = ("deepcompile_first_step", "native_micro", "lora_llama", "eager_lora")
+# Ratio baselines of results written without one (e.g. eager_lora.py's merge output).
+BASELINES: Dict[str, Tuple[Tuple[str, ...], bool]] = {
+    "deepcompile_first_step": (("deepspeed-jit",), True),
+    "native_micro": (("deepspeed", "ours"), False),
+    "lora_llama": (("upstream", "none", "plain"), False),
+    "eager_lora": (("upstream", "none", "plain"), False),
+}
+
+
+# --------------------------------------------------------------------------- loading
+
+def load_results(results_dir: Path = RESULTS_DIR, include_smoke: bool = False
+                 ) -> Dict[str, Dict[str, Any]]:
+    """Every result JSON in ``results_dir`` (not recursive) by bench name, ratios filled in
+    where missing. Files that are not results (no ``runs``) are skipped with a warning."""
+    results: Dict[str, Dict[str, Any]] = {}
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:
+            log.warning("%s: not JSON, skipped (%s)", path, e)
+            continue
+        if not isinstance(data, dict) or not isinstance(data.get("runs"), dict):
+            log.warning("%s: no 'runs' object, skipped", path)
+            continue
+        if data.get("mode") == "smoke" and not include_smoke:
+            log.info("%s: a smoke result, skipped", path)
+            continue
+        name = str(data.get("bench") or path.stem)
+        data["bench"] = name
+        data["_path"] = str(path)
+        if any("ratio" not in r for r in data["runs"].values() if isinstance(r, dict)):
+            preferred, per_ds = BASELINES.get(name, ((), False))
+            preferred = preferred or tuple(run_variant(k, r) for k, r in data["runs"].items())
+            add_ratios(data, preferred, per_deepspeed=per_ds)
+        results[name] = data
+    return results
+
+
+# --------------------------------------------------------------------------- formatting
+
+def _num(value: Optional[float], fmt: str = "{:.2f}", unit: str = "") -> str:
+    return "-" if value is None else fmt.format(value) + unit
+
+
+def _spread(stats: Any, fmt: str, unit: str = "") -> str:
+    """``median unit`` (``(min–max)`` when there are several samples)."""
+    if not isinstance(stats, Mapping):
+        return _num(stats if isinstance(stats, (int, float)) else None, fmt, unit)
+    mid = stats.get("median", stats.get("mean"))
+    if mid is None:
+        return "-"
+    text = fmt.format(mid) + unit
+    if stats.get("n", 2) > 1 and "min" in stats and "max" in stats:
+        text += f" ({fmt.format(stats['min'])}–{fmt.format(stats['max'])})"
+    return text
+
+
+def _bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _error(record: Mapping[str, Any]) -> str:
+    text = str(record.get("error") or record.get("reason") or record.get("status") or "failed")
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    last = lines[-1] if lines else "failed"
+    if record.get("error_where"):
+        return f"fails: `{last}` at `{record['error_where']}`"
+    if record.get("status") == "not_available":
+        return f"not available: {last}"
+    return f"fails: `{last}`"
+
+
+def _table(header: Sequence[str], rows: List[Sequence[str]]) -> List[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return out
+
+
+def _ratio(record: Mapping[str, Any], metric: str = "step_ms") -> Optional[float]:
+    return (record.get("ratio") or {}).get(metric)
+
+
+def _first_step(result: Mapping[str, Any]) -> List[str]:
+    runs = result["runs"]
+    by_ds: Dict[str, Dict[str, Mapping[str, Any]]] = {}
+    for key, r in runs.items():
+        by_ds.setdefault(str(run_deepspeed(key, r)), {})[run_variant(key, r)] = r
+    rows = []
+    for ds in sorted(by_ds, key=lambda v: [int(p) if p.isdigit() else -1 for p in v.split(".")],
+                     reverse=True):
+        ours, theirs = by_ds[ds].get("ours"), by_ds[ds].get("deepspeed-jit")
+
+        def cell(r: Optional[Mapping[str, Any]]) -> str:
+            if r is None:
+                return "-"
+            return _spread(r.get("first_step_s"), "{:.2f}", " s") if run_ok(r) else _error(r)
+
+        if ours and theirs and run_ok(ours) and run_ok(theirs):
+            a, b = metric_value(ours, "first_step_s"), metric_value(theirs, "first_step_s")
+            ratio = f"{b / a:.1f}x faster" if a and b and b >= a else (
+                f"{a / b:.1f}x slower" if a and b else "-")
+        elif ours and run_ok(ours) and theirs:
+            ratio = "works vs fails"
+        elif theirs and run_ok(theirs) and ours:
+            ratio = "fails vs works"
+        else:
+            ratio = "-"
+        rows.append([ds, cell(ours), cell(theirs), ratio])
+    title = ("**Time from `engine.compile()` to the end of the first DeepCompile step** (ZeRO-3, "
+             "a frozen\nLinear feeding a trainable one, fp32, fresh extension cache):")
+    return [title, ""] + _table(["DeepSpeed", "ds_z3native (prebuilt op, `install()`)",
+                                 "DeepSpeed's own op (JIT build)", "ratio"], rows)
+
+
+def _native_micro(result: Mapping[str, Any]) -> List[str]:
+    s = result.get("setup", {})
+    rows = []
+    for key in sorted(result["runs"], key=lambda k: (k != "ours", k)):
+        r = result["runs"][key]
+        name = {"ours": "ds_z3native", "deepspeed": "DeepSpeed's op"}.get(key, key)
+        if not run_ok(r):
+            rows.append([name, _error(r)] + ["-"] * 6)
+            continue
+        col = r.get("collectives") or {}
+        first, later = col.get("first_step") or {}, col.get("later_step") or {}
+        pf = col.get("persistent_frozen_allgather_bytes") or {}
+        gathers = _num(later.get("allgather_calls"), "{:d}")
+        if first.get("allgather_calls") not in (None, later.get("allgather_calls")):
+            gathers += f" ({first['allgather_calls']} at step 1)"
+        rows.append([name, _spread(r.get("step_ms"), "{:.2f}"), _num(_ratio(r), "{:.2f}", "x"),
+                     gathers, f"{_num(later.get('reduce_scatter_calls'), '{:d}')} / "
+                     f"{_num(later.get('bucket_flushes'), '{:d}')}",
+                     _bytes(later.get("allgather_bytes")),
+                     f"{_bytes(pf.get('first_step'))} → {_bytes(pf.get('later_step'))}",
+                     _num(r.get("peak_gib"), "{:.2f}", " GiB")])
+    title = (f"**Native reduce/gather microbenchmark** ({s.get('params', '?')} params, "
+             f"{s.get('frozen', '?')} frozen, {s.get('persistent', '?')} persistent, one graph, "
+             f"{s.get('ranks', '?')} rank(s), {s.get('dtype', '?')}; a step: forward gathers, "
+             f"backward gathers + `reduce_grad` + `end_backward`):")
+    return [title, ""] + _table(
+        ["op", "ms/step (min–max)", "ratio", "all-gathers / step", "reduce-scatters / flushes",
+         "all-gather bytes / step", "persistent frozen all-gather bytes: step 1 → later",
+         "peak"], rows)
+
+
+def _lora(result: Mapping[str, Any]) -> List[str]:
+    s = result.get("setup") or {}
+    model = s.get("model") or {}
+    rows = []
+    runs = result["runs"]
+    for key in sorted(runs, key=lambda k: (run_variant(k, runs[k]), run_deepspeed(k, runs[k])
+                                           or "")):
+        r = runs[key]
+        head = [run_variant(key, r), str(run_deepspeed(key, r) or "-")]
+        if not run_ok(r):
+            rows.append(head + [_error(r)] + ["-"] * 5)
+            continue
+        share = r.get("peak_share")
+        rows.append(head + [_spread(r.get("step_ms"), "{:.1f}"), _num(_ratio(r), "{:.2f}", "x"),
+                            _num(r.get("tokens_per_s"), "{:,.0f}"),
+                            _num(r.get("peak_gib"), "{:.2f}"), _num(r.get("tflops"), "{:.1f}"),
+                            _num(None if share is None else 100 * share, "{:.1f}", "%")])
+    params = model.get("params")
+    title = ("**LoRA fine-tune step** ("
+             + (f"{params / 1e9:.2f} B params, " if isinstance(params, (int, float)) else "")
+             + (f"LoRA r={model['lora_r']}, " if model.get("lora_r") else "")
+             + (f"micro-batch {s['micro_batch']} x {s['seq']} tokens, " if s.get("micro_batch")
+                and s.get("seq") else "")
+             + f"{s.get('dtype', '?')}, {s.get('world_size', '?')} GPU(s); "
+             + f"ratio: step time against `{result.get('baseline') or '-'}`):")
+    return [title, ""] + _table(["variant", "DeepSpeed", "ms/step (min–max)", "ratio",
+                                 "tokens/s", "peak GiB", "TFLOP/s", "share of bf16 peak"], rows)
+
+
+def _generic(result: Mapping[str, Any]) -> List[str]:
+    rows = []
+    for key, r in sorted(result["runs"].items()):
+        if not run_ok(r):
+            rows.append([key, _error(r), "-", "-"])
+            continue
+        rows.append([key, _spread(r.get("step_ms"), "{:.2f}"), _num(_ratio(r), "{:.2f}", "x"),
+                     _num(metric_value(r, "peak_gib"), "{:.2f}", " GiB")])
+    return [f"**{result['bench']}** (baseline `{result.get('baseline')}`):", ""] + _table(
+        ["run", "ms/step (min–max)", "ratio", "peak"], rows)
+
+
+_FORMATTERS: Dict[str, Callable[[Mapping[str, Any]], List[str]]] = {
+    "deepcompile_first_step": _first_step, "native_micro": _native_micro,
+    "lora_llama": _lora, "eager_lora": _lora}
+
+
+def render_block(results: Mapping[str, Mapping[str, Any]]) -> str:
+    """The markdown between the markers (without them): one titled table per benchmark."""
+    names = [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER)
+    sections = ["\n".join(_FORMATTERS.get(n, _generic)(results[n])) for n in names]
+    if not sections:
+        return "No benchmark results yet: run `python -m bench all` on the GPU host."
+    return "\n\n".join(sections)
+
+
+def replace_block(text: str, block: str) -> str:
+    """``text`` with the content between the markers replaced by ``block`` (one blank line on
+    each side); ValueError when the markers are missing or out of order."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < 0 or end < start:
+        raise ValueError(f"README needs the markers {BEGIN} ... {END} (in this order)")
+    return text[:start + len(BEGIN)] + "\n\n" + block.strip("\n") + "\n\n" + text[end:]
+
+
+def update_readme(readme: Path, block: str) -> bool:
+    """Rewrite ``readme``'s block; True when the file changed."""
+    old = readme.read_text()
+    new = replace_block(old, block)
+    if new != old:
+        readme.write_text(new)
+    return new != old
+
+
+# --------------------------------------------------------------------------- plot
+
+def _plot_rows(results: Mapping[str, Mapping[str, Any]]
+               ) -> List[Tuple[str, str, List[Tuple[str, float]], List[Tuple[str, float]]]]:
+    rows = []
+    for name in [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER):
+        runs = results[name]["runs"]
+        metric, label = (("first_step_s", "s to end of first step")
+                         if name == "deepcompile_first_step" else ("step_ms", "ms / step"))
+        times = [(k, v) for k, r in sorted(runs.items()) if run_ok(r)
+                 for v in [metric_value(r, metric)] if v is not None]
+        peaks = [(k, v) for k, r in sorted(runs.items()) if run_ok(r)
+                 for v in [metric_value(r, "peak_gib")] if v is not None]
+        if times or peaks:
+            rows.append((name, label, times, peaks))
+    return rows
+
+
+def plot_summary(results: Mapping[str, Mapping[str, Any]], path: Path) -> Optional[Path]:
+    """Bar charts of step time and peak memory per variant, one row per benchmark, to ``path``;
+    None (and a logged message) when matplotlib is missing or there is nothing to plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot written (pip install matplotlib, or "
+                    "pip install --no-build-isolation -e \".[bench]\")")
+        return None
+    rows = _plot_rows(results)
+    if not rows:
+        log.warning("no successful runs to plot")
+        return None
+    fig, axes = plt.subplots(len(rows), 2, figsize=(12, 3.2 * len(rows)), squeeze=False)
+    for (name, label, times, peaks), (ax_t, ax_m) in zip(rows, axes):
+        for ax, data, ylabel in ((ax_t, times, label), (ax_m, peaks, "peak GiB")):
+            if data:
+                ax.bar(range(len(data)), [v for _, v in data], color="#4c72b0")
+                ax.set_xticks(range(len(data)))
+                ax.set_xticklabels([k for k, _ in data], rotation=20, ha="right", fontsize=8)
+            else:
+                ax.text(0.5, 0.5, "not measured", ha="center", va="center",
+                        transform=ax.transAxes)
+                ax.set_xticks([])
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{name}: {ylabel}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- CLI
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m bench.report``: exit 0, or 1 when ``--check`` finds the README stale."""
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="PNG to write (default <results-dir>/summary.png)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--include-smoke", action="store_true", help="also read smoke results")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 if the README block is stale")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    results = load_results(args.results_dir, args.include_smoke)
+    block = render_block(results)
+    if args.check:
+        stale = replace_block(args.readme.read_text(), block) != args.readme.read_text()
+        print(f"{args.readme}: " + ("stale, run python -m bench.report" if stale else "up to date"))
+        return 1 if stale else 0
+    changed = update_readme(args.readme, block)
+    print(f"{args.readme}: table block {'updated' if changed else 'unchanged'} "
+          f"({len(results)} result file(s))")
+    if not args.no_plot:
+        out = plot_summary(results, args.plot or args.results_dir / "summary.png")
+        print(f"plot: {out}" if out else "plot: not written (see the message above)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,8 @@
 """Command line of ds_z3native: ``ds-z3native <command>`` or ``python -m ds_z3native <command>``.
 
 Commands: ``demo`` (a LoRA fine-tune under ZeRO-3 with activation checkpointing), ``doctor``
-(is this environment covered), ``selftest`` (the dc op on gloo ranks), ``build-info``.
+(is this environment covered), ``selftest`` (the dc op on gloo ranks), ``build-info``, ``bench``
+(the benchmark suite of a source checkout: ``python -m bench``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 
@@ -71,8 +74,40 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _bench_root() -> Optional[Path]:
+    """The source checkout holding ``bench/`` (not installed with the package): the one this
+    package was installed from in editable mode, else the current directory; None if neither."""
+    here = Path(__file__).resolve().parents[2]  # <checkout>/python/ds_z3native/cli.py
+    for root in (here, Path(os.getcwd())):
+        if (root / "bench" / "suite.py").is_file():
+            return root
+    return None
+
+
+def _cmd_bench(argv: List[str]) -> int:
+    root = _bench_root()
+    if root is None:
+        print("ds-z3native bench: the benchmark suite lives in the source checkout (bench/ is not "
+              "installed with the package) and none was found next to this installation or in "
+              "the current directory; run it from a checkout: `cd ds_z3native && python -m bench "
+              "--help`", file=sys.stderr)
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        from bench.suite import main as bench_main
+    except ImportError as e:
+        print(f"ds-z3native bench: cannot import bench.suite from {root}: {e}", file=sys.stderr)
+        return 2
+    return int(bench_main(argv, prog="ds-z3native bench"))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``ds-z3native`` console script."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    verbose = [a for a in args_in[:2] if a in ("-v", "--verbose")]
+    if args_in[len(verbose):len(verbose) + 1] == ["bench"]:  # the suite parses its own options
+        return _cmd_bench(args_in[len(verbose) + 1:] + verbose)
     parser = argparse.ArgumentParser(prog="ds-z3native", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +157,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-selftest", action="store_true", help="skip the gloo self-test")
     p.add_argument("--ranks", type=int, default=2, help="ranks of the self-test (default 2)")
     p.set_defaults(func=_cmd_doctor)
+    sub.add_parser("bench", help="run the benchmark suite of a source checkout "
+                                 "(`ds-z3native bench --help`; same as `python -m bench`)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

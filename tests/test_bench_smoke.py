@@ -1,0 +1,182 @@
+"""The benchmark suite on CPU: the native microbenchmark's smoke run writes a complete result,
+the README block is regenerated from result JSON and idempotently, and both entry points
+(``python -m bench``, ``ds-z3native bench``) answer ``--help``.
+
+Timings are not asserted (CPU smoke numbers mean nothing); structure and counts are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # bench/ is a folder of the checkout, not an installed package
+
+from bench import report  # noqa: E402
+from bench.native_micro import MicroConfig, make_params  # noqa: E402
+
+VERSION_KEYS = {"torch", "deepspeed", "transformers", "peft", "ds_z3native", "cuda"}
+
+
+def _env() -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "DS_Z3NATIVE"}
+    env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench")
+    r = subprocess.run([sys.executable, "-m", "bench", "native_micro", "--smoke", "--output-dir",
+                        str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "native_micro: done" in r.stderr  # progress goes through logging
+    return json.loads((out / "native_micro.json").read_text())
+
+
+def test_native_micro_smoke_writes_the_result_format(micro: Dict[str, Any]) -> None:
+    assert micro["bench"] == "native_micro" and micro["mode"] == "smoke" and micro["schema"] == 1
+    assert VERSION_KEYS <= set(micro["versions"])
+    setup = micro["setup"]
+    assert setup["params"] == 500 and setup["frozen"] == 450 and setup["trainable"] == 50
+    assert setup["ranks"] == 2 and setup["graphs"] == 1
+    ours = micro["runs"]["ours"]
+    assert ours["status"] == "ok", ours.get("error")
+    for key in ("step_ms", "forward_gather_ms", "backward_gather_reduce_ms"):
+        stats = ours[key]
+        assert stats["min"] <= stats["median"] <= stats["max"] and stats["n"] == setup["steps"]
+    assert ours["peak_gib"] > 0 and ours["peak_kind"]
+    assert micro["baseline"] in micro["runs"]
+    assert ours["ratio"]["step_ms"] > 0
+    ds = micro["runs"]["deepspeed"]
+    if ds["status"] != "ok":  # CPU: DeepSpeed's op needs CUDA; the reason is recorded
+        assert ds["status"] == "not_available" and ds["reason"]
+        assert ds["ratio"] is None
+
+
+def test_native_micro_counts_collectives(micro: Dict[str, Any]) -> None:
+    setup = micro["setup"]
+    col = micro["runs"]["ours"]["collectives"]
+    assert col["source"] == "comm_stats()" and col["timed_steps_identical"] is True
+    first, later = col["first_step"], col["later_step"]
+    count = setup["count"]
+    # Every trainable param is reduced once per step: one reduce-scatter each.
+    assert first["reduce_scatter_calls"] == later["reduce_scatter_calls"] == setup["trainable"]
+    assert later["bucket_flushes"] >= 1
+    # Persistent frozen params: gathered at the first step only.
+    per_first, per_later = col["per_category"]["first_step"], col["per_category"]["later_step"]
+    assert per_first["persistent_frozen"]["allgather_calls"] == count["persistent_frozen"]
+    assert per_later["persistent_frozen"]["allgather_calls"] == 0
+    pf = col["persistent_frozen_allgather_bytes"]
+    assert pf["first_step"] > 0 and pf["later_step"] == 0
+    # Non-persistent params: gathered in forward and again in backward, every step.
+    for cat in ("frozen", "trainable"):
+        assert per_later[cat]["allgather_calls"] == 2 * count[cat]
+    assert first["allgather_calls"] - later["allgather_calls"] == count["persistent_frozen"]
+
+
+def test_params_are_deterministic_and_mixed() -> None:
+    cfg = MicroConfig.for_mode(smoke=True)
+    a, b = make_params(cfg), make_params(cfg)
+    assert a == b and len(a) == 500
+    assert sum(p.frozen for p in a) == 450
+    assert len({p.shape for p in a}) >= 5
+
+
+def _fixture_results(d: Path) -> None:
+    first = {"bench": "deepcompile_first_step", "mode": "full", "runs": {
+        "ours@0.19.8": {"first_step_s": {"median": 5.0, "min": 4.5, "max": 5.5, "n": 3}},
+        "deepspeed-jit@0.19.8": {"first_step_s": {"median": 50.0, "min": 49, "max": 51, "n": 3}},
+        "ours@0.19.2": {"first_step_s": {"median": 5.4, "min": 5.4, "max": 5.4, "n": 1}},
+        "deepspeed-jit@0.19.2": {"status": "failed", "error": "KeyError: 0",
+                                 "error_where": "engine.compile()"}}}
+    # bench/eager_lora.py merge output: no ratios, no status, one failed run, fields missing.
+    lora = {"bench": "eager_lora", "runs": {
+        "upstream@0.19.8": {"variant": "upstream", "step_ms": {"median": 200.0, "min": 190.0,
+                                                               "max": 210.0},
+                            "peak_gib": 20.0, "versions": {"deepspeed": "0.19.8"},
+                            "setup": {"dtype": "bf16", "world_size": 1, "micro_batch": 4,
+                                      "seq": 1024, "model": {"params": 960_000_000,
+                                                             "lora_r": 16}}},
+        "ours@0.19.2": {"variant": "ours", "step_ms": {"median": 180.0, "min": 175.0,
+                                                       "max": 190.0},
+                        "peak_gib": 18.0, "tokens_per_s": 22755.5, "tflops": 150.2,
+                        "peak_share": 0.152, "versions": {"deepspeed": "0.19.2"}},
+        "upstream@0.19.2": {"variant": "upstream", "error": "Traceback ...\nCheckpointError: x",
+                            "versions": {"deepspeed": "0.19.2"}}}}
+    (d / "deepcompile_first_step.json").write_text(json.dumps(first))
+    (d / "eager_lora.json").write_text(json.dumps(lora))
+    (d / "native_micro.json").write_text(json.dumps({"bench": "native_micro", "mode": "smoke",
+                                                     "runs": {}}))
+    (d / "notes.json").write_text(json.dumps({"something": "else"}))
+
+
+def test_report_regenerates_the_readme_block_idempotently(tmp_path: Path) -> None:
+    _fixture_results(tmp_path)
+    readme = tmp_path / "README.md"
+    head, tail = "# t\n\n## Benchmarks\n\nintro\n\n", "\n\nafter the table\n"
+    readme.write_text(f"{head}{report.BEGIN}\nstale\n{report.END}{tail}")
+    argv = ["--results-dir", str(tmp_path), "--readme", str(readme), "--no-plot"]
+    assert report.main(argv) == 0
+    once = readme.read_text()
+    assert once.startswith(head + report.BEGIN) and once.endswith(report.END + tail)
+    assert "stale" not in once
+    assert "| 0.19.8 | 5.00 s (4.50–5.50) | 50.00 s (49.00–51.00) | 10.0x faster |" in once
+    assert "| 0.19.2 | 5.40 s | fails: `KeyError: 0` at `engine.compile()` | works vs fails |" in once
+    lines = once.splitlines()
+    ours = next(ln for ln in lines if ln.startswith("| ours | 0.19.2 |"))
+    assert "180.0 (175.0–190.0)" in ours and "0.90x" in ours and "22,756" in ours
+    assert "15.2%" in ours
+    assert any(ln.startswith("| upstream | 0.19.2 | fails: `CheckpointError: x`") for ln in lines)
+    assert "Native reduce/gather" not in once  # smoke results are not README material
+    assert report.main(argv) == 0
+    assert readme.read_text() == once
+    assert report.main(argv + ["--check"]) == 0
+
+
+def test_report_keeps_the_committed_first_step_table() -> None:
+    results = report.load_results(ROOT / "bench" / "results")
+    block = report.render_block({"deepcompile_first_step": results["deepcompile_first_step"]})
+    text = (ROOT / "README.md").read_text()
+    start = text.index(report.BEGIN) + len(report.BEGIN)
+    assert block in text[start:text.index(report.END)]
+    assert "| 0.19.8 | 5.29 s | 49.99 s | 9.4x faster |" in block
+
+
+def test_report_without_markers_fails_clearly(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="bench-table:begin"):
+        report.replace_block("no markers here\n", "x")
+
+
+def test_plot_or_a_clear_message(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _fixture_results(tmp_path)
+    out = report.plot_summary(report.load_results(tmp_path), tmp_path / "summary.png")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert out is None and "matplotlib is not installed" in caplog.text
+    else:
+        assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("cmd", [[sys.executable, "-m", "bench"],
+                                 [sys.executable, "-m", "ds_z3native", "bench"]])
+def test_bench_help(cmd: list, tmp_path: Path) -> None:
+    # ds-z3native from another directory: it finds the checkout it was installed from.
+    r = subprocess.run(cmd + ["--help"], cwd=ROOT if cmd[2] == "bench" else tmp_path,
+                       env=_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--smoke" in r.stdout and "--output-dir" in r.stdout
+    r = subprocess.run(cmd + ["list"], cwd=ROOT if cmd[2] == "bench" else tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for name in ("native_micro", "deepcompile_first_step", "lora_llama"):
+        assert name in r.stdout

@@ -7,6 +7,7 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,7 @@ public:
                                      ncclTypeOf(shard.scalar_type(), "allgather", ds_id), comm_,
                                      c10::cuda::getCurrentCUDAStream()),
                        "allgather", ds_id);
+        keepUntilGroupEnd({shard, out});
     }
 
     void reduceScatterSum(const at::Tensor& in, const at::Tensor& out, int64_t ds_id) override
@@ -101,6 +103,7 @@ public:
                                          ncclTypeOf(in.scalar_type(), "reduce_scatter", ds_id),
                                          ncclSum, comm_, c10::cuda::getCurrentCUDAStream()),
                        "reduce_scatter", ds_id);
+        keepUntilGroupEnd({in, out});
     }
 
     void allReduceSum(const at::Tensor& buf, int64_t ds_id) override
@@ -110,12 +113,39 @@ public:
                                      ncclTypeOf(buf.scalar_type(), "allreduce", ds_id), ncclSum,
                                      comm_, c10::cuda::getCurrentCUDAStream()),
                        "allreduce", ds_id);
+        keepUntilGroupEnd({buf});
     }
 
-    void groupStart() override { DSZ_NCCL_CHECK(ncclGroupStart(), "group_start", -1); }
-    void groupEnd() override { DSZ_NCCL_CHECK(ncclGroupEnd(), "group_end", -1); }
+    void groupStart() override
+    {
+        DSZ_NCCL_CHECK(ncclGroupStart(), "group_start", -1);
+        ++depth_;
+    }
+
+    void groupEnd() override
+    {
+        DSZ_CHECK(depth_ > 0, "group_end", "no open group");
+        --depth_;
+        ncclResult_t r = ncclGroupEnd();
+        // The group's collectives are on their stream now: the caching allocator orders any
+        // reuse of these buffers (allocated on that stream) after them.
+        if (depth_ == 0) { pending_.clear(); }
+        DSZ_CHECK(r == ncclSuccess, "group_end", "ncclGroupEnd() failed: ", ncclGetErrorString(r),
+                  " (ncclResult_t ", static_cast<int>(r), ")");
+    }
 
 private:
+    // Inside a group NCCL only records a collective; it reads the buffers at ncclGroupEnd. A
+    // temporary (a shard converted to the gather dtype) must not go back to the allocator and be
+    // handed to the next collective of the same group before then.
+    void keepUntilGroupEnd(std::initializer_list<at::Tensor> tensors)
+    {
+        if (depth_ == 0) { return; }
+        pending_.insert(pending_.end(), tensors.begin(), tensors.end());
+    }
+
+    int depth_ = 0;
+    std::vector<at::Tensor> pending_;
     c10::intrusive_ptr<c10d::ProcessGroup> pg_;
     ncclComm_t comm_ = nullptr;
 };

@@ -53,21 +53,22 @@ def _run_case(m, group, device: torch.device, rank: int, ws: int) -> Dict[str, A
     for ds_id in PARAMS:
         t = torch.ops.dc.wait_allgather(torch.ops.dc.allgather_param(ph, GRAPH, ds_id), GRAPH,
                                         ds_id)
-        out["gather"][ds_id] = t.cpu()
+        # A copy: on the CPU .cpu() would alias the gathered buffer, which release_param frees.
+        out["gather"][ds_id] = t.to("cpu", copy=True)
         torch.ops.dc.release_param(t, GRAPH, ds_id, 1)
     ids = [1, 2, 6]
     torch.ops.dc.prefetch_params_fused(GRAPH, [ph] * 3, ids, [torch.bfloat16] * 3)
     for ds_id in ids:
         t = torch.ops.dc.wait_allgather(
             torch.ops.dc.allgather_param(ph, GRAPH, ds_id, torch.bfloat16), GRAPH, ds_id)
-        out["bf16"][ds_id] = t.cpu()
+        out["bf16"][ds_id] = t.to("cpu", copy=True)
         torch.ops.dc.release_param(t, GRAPH, ds_id, 1)
     for update, tag in ((False, 1), (True, 2), (True, 3)):
         m.start_backward(update)
         deps = [torch.ops.dc.reduce_grad(_values(tag, i, PARAMS[i][0], rank).to(device), GRAPH, i)
                 for i in bufs]
         torch.ops.dc.end_backward(deps, GRAPH, True)
-        out["reduce"].append({i: b.cpu() for i, b in bufs.items()})
+        out["reduce"].append({i: b.to("cpu", copy=True) for i, b in bufs.items()})
     m.start_backward(True)
     try:
         torch.ops.dc.reduce_grad(torch.ones(2, 2, device=device), GRAPH, 3)

@@ -9,7 +9,7 @@ from typing import Callable, List, Sequence
 
 from . import Undo
 
-__all__ = ["wrap_function"]
+__all__ = ["wrap_function", "wrap_method", "when_module_imported"]
 
 log = logging.getLogger(__name__)
 
@@ -54,5 +54,22 @@ def when_module_imported(module_name: str, apply: Callable[[], Undo]) -> Undo:
         cancel()
         while applied:
             applied.pop()()
+
+    return undo
+
+
+def wrap_method(cls: type, attr: str, make_wrapper: Callable[[Callable], Callable]) -> Undo:
+    """Replace the method ``cls.<attr>`` by ``make_wrapper(original)``. The undo restores it if the
+    wrapper is still in place (else warns and leaves the newer object, as :func:`wrap_function`)."""
+    original = cls.__dict__[attr]
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    setattr(cls, attr, wrapper)
+
+    def undo() -> None:
+        if cls.__dict__.get(attr) is wrapper:
+            setattr(cls, attr, original)
+        else:
+            log.warning("%s.%s was replaced after ds_z3native patched it; leaving the newer "
+                        "object in place", cls.__qualname__, attr)
 
     return undo

@@ -1,6 +1,10 @@
 """Every patch of DeepSpeed's Python side that ``install()`` knows, in the order it applies them.
 
 * ``deepcompile_frozen``: DeepCompile ZeRO-3 ``init_z3`` with frozen params.
+* ``hf_graph_breaks``: ``engine.compile()`` removes the graph breaks of transformers'
+  gradient checkpointing that non-reentrant checkpointing does not need.
+* ``deepcompile_eager``: after ``engine.compile()``, code outside the compiled graphs sees gathered
+  params (or a clear error for trainable ones).
 * ``checkpoint_recompute`` (optional module ``ds_z3native.compat.checkpoint_recompute``, its
   ``PATCHES``): eager ZeRO-3 with activation checkpointing of frozen params. Imported lazily; its
   absence is tolerated, an error while importing it is not.
@@ -37,9 +41,10 @@ def _optional_patches(module_name: str) -> List[Patch]:
 
 def all_patches() -> List[Patch]:
     """Every known patch, whatever DeepSpeed version it targets."""
-    from . import deepcompile_frozen
+    from . import deepcompile_eager, deepcompile_frozen, hf_graph_breaks
 
-    patches = list(deepcompile_frozen.PATCHES)
+    patches = (list(deepcompile_frozen.PATCHES) + list(hf_graph_breaks.PATCHES)
+               + list(deepcompile_eager.PATCHES))
     for name in OPTIONAL_MODULES:
         patches += _optional_patches(name)
     names = [p.name for p in patches]

@@ -1,0 +1,243 @@
+"""DeepCompile ZeRO-3: code that runs outside the compiled graphs sees gathered params.
+
+Once ``engine.compile()`` has run with ``"compile": {"deepcompile": true}``, DeepCompile owns the
+ZeRO-3 params: it removes ZeRO-3's module hooks and gathers each param inside its compiled graphs
+(``dc::allgather_param``). Code that Dynamo does not compile still runs, eagerly: the rest of a
+frame Dynamo gave up on after a graph break it could not handle (for example inside a context
+manager), a module called from such a frame, a hook. That code reads the param's partitioned
+storage, a shape-``[0]`` tensor. Seen on one H200 (DeepSpeed 0.19.2 and 0.19.8, torch 2.11,
+transformers 5.17): an HF Llama + PEFT LoRA with non-reentrant gradient checkpointing fails before
+its first step with ``RuntimeError: 'weight' must be 2-D`` from the input embedding. DeepSpeed
+0.19.2 has no eager fallback at all; 0.19.8's (a parameter getter) did not gather there.
+
+* :data:`EAGER_GATHER` (every release): after ``engine.compile()`` every module with ZeRO-3 params
+  of its own gets a parameter dict (a subclass of DeepSpeed's ``ZeROOrderedDict``, so DeepSpeed's
+  own getter still runs after ours) whose getter, traced by Dynamo, is the plain lookup
+  (``torch.compiler.is_compiling()`` is constant there), and read eagerly inside the engine's
+  forward or backward gathers a partitioned frozen param (``param.all_gather``), held until the
+  end of that step's backward (a frozen Linear's backward needs its weight for the input
+  gradient), or until the next forward when no backward follows. A *trainable* param read
+  eagerly with grad enabled raises :class:`EagerTrainableParam`: its gradient would bypass
+  DeepCompile's ``reduce_grad`` (DeepSpeed 0.19.8's own fallback lets it through and the optimizer
+  step then fails on a full-size gradient), so we refuse instead.
+  Dynamo reading a param while it traces or builds guards is left alone. The engine's forward and backward are
+  wrapped to mark the window and release.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from packaging.version import Version
+
+from . import Patch, Undo
+from ._rebind import wrap_method
+
+__all__ = ["EAGER_GATHER", "PATCHES", "EagerFallbackGather", "EagerTrainableParam",
+           "patch_eager_gather", "eager_gather_of"]
+
+log = logging.getLogger(__name__)
+
+_ATTR = "_ds_z3native_eager_gather"
+
+
+class EagerTrainableParam(RuntimeError):
+    """A trainable ZeRO-3 param ran outside DeepCompile's graphs; its gradient would be lost."""
+
+
+# Dynamo modules that run user code for real rather than inspect it: the wrapper of a
+# torch._dynamo.disable'd function and of a compiled module's call.
+_DYNAMO_RUNNERS = ("torch._dynamo.eval_frame", "torch._dynamo.external_utils")
+
+
+def _dynamo_is_inspecting() -> bool:
+    """Whether Dynamo itself reads the param: tracing a frame (it looks at real values to build
+    variables) or building guards. Gathering then would change the param under the guards being
+    built (seen with torch 2.11: "Guard failed on the same frame it was created ... rank
+    mismatch"), and torch 2.11 does not report that as torch.compiler.is_compiling()."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("torch._dynamo.") and name not in _DYNAMO_RUNNERS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _eager_params_class() -> type:
+    """A ZeRO-3 parameter dict (DeepSpeed's ZeROOrderedDict, so DeepSpeed's own getter logic
+    still runs and DeepSpeed keeps it in place) that, read eagerly inside the engine's forward
+    or backward, hands partitioned params to :class:`EagerFallbackGather` first."""
+    global _EAGER_PARAMS_CLS
+    if _EAGER_PARAMS_CLS is not None:
+        return _EAGER_PARAMS_CLS
+    from collections import OrderedDict
+
+    import torch
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    not_available = ZeroParamStatus.NOT_AVAILABLE
+
+    class EagerGatherParams(ZeROOrderedDict):
+        def __init__(self, parent_module: Any, owner: "EagerFallbackGather", name: str,
+                     items: Any) -> None:
+            super().__init__(parent_module, items)
+            self._dsz_owner = owner
+            self._dsz_name = name
+
+        def __getitem__(self, key: str) -> Any:
+            param = OrderedDict.__getitem__(self, key)
+            if param is None or torch.compiler.is_compiling():
+                return param
+            owner = self._dsz_owner
+            if (owner.active and getattr(param, "ds_status", None) == not_available
+                    and not _dynamo_is_inspecting()):
+                owner.gather(f"{self._dsz_name}.{key}" if self._dsz_name else key, param)
+            return super().__getitem__(key)
+
+    _EAGER_PARAMS_CLS = EagerGatherParams
+    return EagerGatherParams
+
+
+_EAGER_PARAMS_CLS: Optional[type] = None
+
+
+class EagerFallbackGather:
+    """The eager-fallback gather of one engine: the parameter dicts it put on the engine's
+    modules, and the params gathered through them (held until :meth:`release`)."""
+
+    def __init__(self, engine: Any) -> None:
+        cls = _eager_params_class()
+        self._held: Dict[int, Any] = {}
+        self._modules: List[Tuple[Any, Any]] = []  # (module, the dict it had)
+        self.active = False  # inside the engine's forward or backward
+        self.gathered_total = 0  # params gathered eagerly since the engine compiled
+        self.eager_params: List[str] = []  # names, first time each was gathered
+        for mod_name, module in engine.module.named_modules():
+            own = module.__dict__.get("_parameters")
+            if not own or not any(hasattr(p, "ds_id") for p in own.values() if p is not None):
+                continue
+            self._modules.append((module, own))
+            module._parameters = cls(module, self, mod_name, own)
+
+    def gather(self, name: str, param: Any) -> None:
+        """Gather ``param`` (partitioned) for eager code, or refuse a trainable one."""
+        import torch
+
+        if param.requires_grad and torch.is_grad_enabled():
+            raise EagerTrainableParam(
+                f"ds_z3native: {name} (ds_id {param.ds_id}) was read by code running outside "
+                "DeepCompile's compiled graphs (eager code after a graph break Dynamo could not "
+                "handle). DeepCompile reduces gradients only inside its graphs, so this "
+                "trainable param's gradient would be lost. Find the graph break with "
+                "TORCH_LOGS=graph_breaks and remove it, or train without DeepCompile.")
+        param.all_gather()
+        self._held[param.ds_id] = param
+        self.gathered_total += 1
+        if name not in self.eager_params:
+            self.eager_params.append(name)
+            log.info("%s (ds_id %d) was read outside DeepCompile's graphs (eager fallback); "
+                     "gathered until the end of backward", name, param.ds_id)
+
+    def held(self) -> List[int]:
+        """ds_ids gathered eagerly and not released yet."""
+        return sorted(self._held)
+
+    def release(self) -> None:
+        """Partition again every param this object gathered (persistent ones stay whole)."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        held, self._held = list(self._held.values()), {}
+        for p in held:
+            if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False):
+                p.partition()
+
+    def remove(self) -> None:
+        """Give the modules plain parameter dicts back and release what is held."""
+        for module, own in self._modules:
+            if isinstance(module.__dict__.get("_parameters"), _eager_params_class()):
+                module._parameters = own.__class__(module, module._parameters) \
+                    if hasattr(own, "_parent_module") else dict(module._parameters)
+        self._modules.clear()
+        self.release()
+
+
+def eager_gather_of(engine: Any) -> Optional[EagerFallbackGather]:
+    """The engine's eager-fallback gather, if ``engine.compile()`` ran with the patch applied."""
+    return getattr(engine, _ATTR, None)
+
+
+def _compiling_with_eager_gather(compile_fn: Callable) -> Callable:
+    def compile_with_eager_gather(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = compile_fn(self, *args, **kwargs)
+        if (eager_gather_of(self) is None and self.is_deepcompile_active()
+                and self.zero_optimization_partition_weights()):
+            setattr(self, _ATTR, EagerFallbackGather(self))
+        return result
+
+    return compile_with_eager_gather
+
+
+def _forward_releasing(forward: Callable) -> Callable:
+    def forward_releasing_eager_gathers(self: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        gather = eager_gather_of(self)
+        if gather is None:
+            return forward(self, *args, **kwargs)
+        gather.release()  # leftovers of a forward that had no backward
+        gather.active = True
+        try:
+            out = forward(self, *args, **kwargs)
+        finally:
+            gather.active = False
+        if not torch.is_grad_enabled():
+            gather.release()
+        return out
+
+    return forward_releasing_eager_gathers
+
+
+def _backward_releasing(backward: Callable) -> Callable:
+    def backward_releasing_eager_gathers(self: Any, *args: Any, **kwargs: Any) -> Any:
+        gather = eager_gather_of(self)
+        if gather is None:
+            return backward(self, *args, **kwargs)
+        gather.active = True  # a checkpoint recompute of eager code reads params again
+        try:
+            return backward(self, *args, **kwargs)
+        finally:
+            gather.active = False
+            gather.release()
+
+    return backward_releasing_eager_gathers
+
+
+def patch_eager_gather() -> Undo:
+    """engine.compile() adds the eager-fallback gather; engine.forward/backward release it."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    undos = [wrap_method(DeepSpeedEngine, "compile", _compiling_with_eager_gather),
+             wrap_method(DeepSpeedEngine, "forward", _forward_releasing),
+             wrap_method(DeepSpeedEngine, "backward", _backward_releasing)]
+
+    def undo() -> None:
+        while undos:
+            undos.pop()()
+
+    return undo
+
+
+EAGER_GATHER = Patch(
+    name="deepcompile-z3-eager-gather",
+    summary="after engine.compile(), modules that run outside DeepCompile's graphs (graph-break "
+            "fallbacks) gather their frozen params, and trainable ones fail clearly",
+    apply=patch_eager_gather,
+    first=Version("0.19.0"),
+    last=None,
+)
+
+PATCHES: List[Patch] = [EAGER_GATHER]

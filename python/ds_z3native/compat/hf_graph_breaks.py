@@ -1,0 +1,110 @@
+"""DeepCompile + Hugging Face gradient checkpointing: remove the graph breaks that are not needed.
+
+``PreTrainedModel.gradient_checkpointing_enable()`` (transformers 5.x, for every model whose main
+input is ``input_ids``; PEFT does the same) registers ``make_inputs_require_grads``, a forward hook
+on the input embedding that calls ``output.requires_grad_(True)``: *reentrant* checkpointing needs
+an input that requires grad, or the checkpointed blocks get no backward. Dynamo cannot trace
+``requires_grad_()``: it breaks the graph there, and inside transformers' output-capturing context
+manager it gives up on the whole frame, which then runs eagerly (see
+:mod:`ds_z3native.compat.deepcompile_eager`). Non-reentrant checkpointing (``use_reentrant=False``,
+PyTorch's recommendation) does not need the hook. Also, with checkpointing on, every training
+forward logs ``use_cache=True is incompatible with gradient checkpointing`` through
+``logger.warning_once``, another graph break, then sets ``use_cache=False`` itself.
+
+* :data:`HF_CHECKPOINT_GRAPH_BREAKS` (every release): ``engine.compile()`` with DeepCompile first
+  removes the input-require-grads hooks when every checkpointed layer is non-reentrant, and sets
+  ``config.use_cache = False`` on checkpointed models (what transformers does on the first
+  training forward). Each change is logged; reentrant checkpointing is left as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Dict, List
+
+from packaging.version import Version
+
+from . import Patch, Undo
+from ._rebind import wrap_method
+
+__all__ = ["HF_CHECKPOINT_GRAPH_BREAKS", "PATCHES", "checkpoint_modes",
+           "remove_checkpoint_graph_breaks", "patch_checkpoint_graph_breaks"]
+
+log = logging.getLogger(__name__)
+
+# transformers' PreTrainedModel.enable_input_require_grads and PEFT's own copy of it.
+_INPUT_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
+
+
+def checkpoint_modes(model: Any) -> List[str]:
+    """How each checkpointed transformers layer checkpoints: ``"non-reentrant"``,
+    ``"reentrant"`` or ``"unknown"`` (a checkpoint function we cannot read)."""
+    modes = []
+    for module in model.modules():
+        if not getattr(module, "gradient_checkpointing", False):
+            continue
+        fn = getattr(module, "_gradient_checkpointing_func", None)
+        if isinstance(fn, functools.partial) and "use_reentrant" in fn.keywords:
+            modes.append("reentrant" if fn.keywords["use_reentrant"] else "non-reentrant")
+        else:
+            modes.append("unknown")
+    return modes
+
+
+def remove_checkpoint_graph_breaks(model: Any) -> Dict[str, Any]:
+    """Removes from ``model`` what breaks Dynamo graphs under non-reentrant checkpointing; returns
+    what was done (``removed_hooks``: module names, ``use_cache_off``: config owners)."""
+    done: Dict[str, Any] = {"removed_hooks": [], "use_cache_off": []}
+    modes = checkpoint_modes(model)
+    if not modes:
+        return done
+    if set(modes) == {"non-reentrant"}:
+        for name, module in model.named_modules():
+            for key, hook in list(module._forward_hooks.items()):
+                if getattr(hook, "__name__", "") in _INPUT_GRAD_HOOKS:
+                    del module._forward_hooks[key]
+                    module._forward_hooks_with_kwargs.pop(key, None)
+                    module._forward_hooks_always_called.pop(key, None)
+                    done["removed_hooks"].append(name or "<root>")
+    for name, module in model.named_modules():
+        config = module.__dict__.get("config")
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            done["use_cache_off"].append(name or "<root>")
+    if done["removed_hooks"]:
+        log.info("non-reentrant checkpointing: removed the input-require-grads hook of %s "
+                 "(only reentrant checkpointing needs it; Dynamo cannot trace it)",
+                 ", ".join(done["removed_hooks"]))
+    if done["use_cache_off"]:
+        log.info("gradient checkpointing: use_cache=False on %s (as transformers sets it in "
+                 "training, without its per-forward warning)", ", ".join(done["use_cache_off"]))
+    return done
+
+
+def _compiling_without_breaks(compile_fn: Callable) -> Callable:
+    def compile_without_checkpoint_breaks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.is_deepcompile_enabled():
+            self._ds_z3native_graph_break_fixes = remove_checkpoint_graph_breaks(self.module)
+        return compile_fn(self, *args, **kwargs)
+
+    return compile_without_checkpoint_breaks
+
+
+def patch_checkpoint_graph_breaks() -> Undo:
+    """engine.compile() with DeepCompile first removes the checkpointing graph breaks."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return wrap_method(DeepSpeedEngine, "compile", _compiling_without_breaks)
+
+
+HF_CHECKPOINT_GRAPH_BREAKS = Patch(
+    name="deepcompile-hf-checkpoint-graph-breaks",
+    summary="engine.compile() with DeepCompile removes transformers' input-require-grads hook "
+            "under non-reentrant checkpointing and turns use_cache off (two graph breaks)",
+    apply=patch_checkpoint_graph_breaks,
+    first=Version("0.19.0"),
+    last=None,
+)
+
+PATCHES: List[Patch] = [HF_CHECKPOINT_GRAPH_BREAKS]

@@ -9,9 +9,18 @@ and the native runtime are process-wide), and by hand for the closing note's tim
     python bench/deepcompile_run.py --mode deepcompile --native deepspeed --fresh-extension-cache
 
 Models (``--model``): ``seed``, a frozen Linear feeding a trainable one; ``reuse3``, one frozen
-Linear applied three times between trainable layers. ``--mode eager`` trains the same model with
-ZeRO stage 0 and no compile (the reference). One process, one GPU; sets the launcher
-environment (RANK=0, WORLD_SIZE=1, MASTER_ADDR, a free MASTER_PORT) unless already set.
+Linear applied three times between trainable layers; ``eager-head``, the seed model whose
+trainable head runs outside Dynamo (``torch._dynamo.disable``: a forced eager fallback);
+``eager-frozen``, the same with a frozen eager layer before a trainable one; ``llama``, an HF
+``LlamaForCausalLM`` from a config (``--size``, see ``ds_z3native.models``) with PEFT LoRA on
+every linear layer, optionally with gradient checkpointing (``--checkpointing``).
+``--mode eager`` trains the same model without compile, with ZeRO stage ``--eager-stage``
+(default 0: the reference). One process, one device; sets the launcher environment (RANK=0,
+WORLD_SIZE=1, MASTER_ADDR, a free MASTER_PORT) unless already set. Without CUDA (or with
+``DS_ACCELERATOR=cpu``) it runs on the CPU over gloo: DeepCompile itself runs there with
+ds_z3native's CPU build (DeepSpeed >= 0.19.3; its profiler falls back to default estimates).
+The result holds the losses, the trainable params after training, the Dynamo graph-break count
+and, with ds_z3native, what its DeepCompile patches did (hooks removed, eager-fallback gathers).
 """
 
 from __future__ import annotations
@@ -24,7 +33,10 @@ import sys
 import tempfile
 import time
 import traceback
+import logging
 from typing import Any, Dict, List, Optional
+
+log = logging.getLogger("bench.deepcompile_run")
 
 WIDTH = 64
 BATCH = 8
@@ -77,7 +89,69 @@ def build_model(kind: str) -> Any:
             out = self.head(torch.relu(self.frozen(h)))
             return nn.functional.mse_loss(out.float(), y.float())
 
-    return {"seed": Seed, "reuse3": Reuse3}[kind]()
+    class EagerHead(Seed):
+        """The seed model whose trainable head Dynamo must not compile: the head always runs
+        eagerly, between compiled graphs (an eager fallback after a graph break)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.head.forward = torch._dynamo.disable(self.head.forward)
+
+    class EagerFrozen(nn.Module):
+        """A frozen Linear that runs eagerly (outside Dynamo), feeding a trainable compiled one;
+        its weight is needed again in backward for the input gradient of ``pre``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.pre = nn.Linear(WIDTH, WIDTH)
+            self.frozen = nn.Linear(WIDTH, WIDTH)
+            self.head = nn.Linear(WIDTH, 16)
+            self.frozen.requires_grad_(False)
+            self.frozen.forward = torch._dynamo.disable(self.frozen.forward)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            out = self.head(torch.relu(self.frozen(torch.tanh(self.pre(x)))))
+            return nn.functional.mse_loss(out.float(), y.float())
+
+    return {"seed": Seed, "reuse3": Reuse3, "eager-head": EagerHead,
+            "eager-frozen": EagerFrozen}[kind]()
+
+
+def build_llama(size_name: str, checkpointing: str) -> Any:
+    """The LoRA Llama of ``ds_z3native.models`` at ``size_name``, with gradient checkpointing
+    ``checkpointing`` (``none``, ``non-reentrant``, ``reentrant``) enabled the HF way."""
+    from ds_z3native.models import MODEL_SIZES, build_lora_llama
+
+    model, _ = build_lora_llama(MODEL_SIZES[size_name])
+    if checkpointing != "none":
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    return model
+
+
+def _llama_batch(size_name: str, step: int, seed: int, device: Any) -> List[Any]:
+    from ds_z3native.models import MODEL_SIZES, synthetic_batch
+
+    ids = synthetic_batch(MODEL_SIZES[size_name], step, 0, seed).to(device)
+    return [ids]
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR") == "cpu"
+
+
+def _cpu_deepspeed() -> None:
+    """DeepSpeed on the CPU accelerator: no JIT build of its shared-memory comm op, and a device
+    string DeepCompile's profiler can parse (the CPU accelerator answers a bare index)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    accelerator = type(get_accelerator())
+    accelerator.current_device = lambda self: "cpu"
 
 
 def _batch(step: int, seed: int, dtype: Any, device: Any) -> List[Any]:
@@ -89,6 +163,14 @@ def _batch(step: int, seed: int, dtype: Any, device: Any) -> List[Any]:
     return [x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)]
 
 
+def _trainable_params(engine: Any, gathered: bool) -> Dict[str, List[float]]:
+    import deepspeed
+
+    params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=gathered):
+        return {n: p.detach().float().cpu().flatten().tolist() for n, p in params}
+
+
 def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     """Train as ``args`` say, filling ``result`` as it goes (so a failure keeps what ran)."""
     _launcher_env()
@@ -96,33 +178,56 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="ds_ext_")
     import torch
 
+    cpu = _on_cpu()
+    if cpu:
+        _cpu_deepspeed()
     # fp32 comparisons must not run matmuls in TF32 on one side only.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     import deepspeed
+    from torch._dynamo.utils import counters
 
-    result.update(deepspeed=deepspeed.__version__, torch=torch.__version__, losses=[])
+    result.update(deepspeed=deepspeed.__version__, torch=torch.__version__, losses=[],
+                  device="cpu" if cpu else torch.cuda.get_device_name())
     if args.native == "ours":
         import ds_z3native
 
+        if args.skip_patch:
+            from ds_z3native.compat import registry
+
+            every = registry.all_patches
+            registry.all_patches = lambda: [p for p in every() if p.name not in args.skip_patch]
+        if args.no_deepspeed_fallback:
+            _disable_deepspeed_eager_fallback()
         result["install"] = ds_z3native.install().__dict__
     bf16 = args.dtype == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     deepcompile = args.mode == "deepcompile"
+    llama = args.model == "llama"
+    stage = 3 if deepcompile else args.eager_stage
+    zero: Dict[str, Any] = {"stage": stage}
+    batch = BATCH
+    if llama:
+        from ds_z3native.models import MODEL_SIZES, zero3_auto_values
+
+        size = MODEL_SIZES[args.size]
+        batch = size.batch
+        if stage == 3:
+            zero.update(zero3_auto_values(size.hidden))
     config: Dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": BATCH,
+        "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01,
                                                   "torch_adam": True}},
-        "zero_optimization": {"stage": 3 if deepcompile else 0},
+        "zero_optimization": zero,
         "bf16": {"enabled": bf16},
-        "steps_per_print": 1000,
+        "steps_per_print": 10**9,
     }
     if deepcompile:
         config["compile"] = {"deepcompile": True}
 
     torch.manual_seed(args.seed)
-    model = build_model(args.model)
+    model = build_llama(args.size, args.checkpointing) if llama else build_model(args.model)
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     device = engine.device
@@ -135,22 +240,53 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
             engine.module.frozen.requires_grad_(True)
             result["unfrozen_at_step"] = step
         t0 = time.perf_counter()
-        x, y = _batch(step, args.seed, dtype, device)
-        loss = engine(x, y)
+        if llama:
+            (ids,) = _llama_batch(args.size, step, args.seed, device)
+            loss = engine(input_ids=ids, labels=ids).loss
+        else:
+            x, y = _batch(step, args.seed, dtype, device)
+            loss = engine(x, y)
         engine.backward(loss)
         engine.step()
-        if torch.cuda.is_available():
+        if not cpu:
             torch.cuda.synchronize()
         now = time.perf_counter()
         step_times.append(now - t0)
         if step == 0:
             result["compile_to_first_step_end_s"] = now - t_compile
         result["losses"].append(float(loss.detach().float().item()))
+        result["step_s"] = step_times
+        log.info("step %d/%d: loss %.5f, %.3f s", step + 1, args.steps, result["losses"][-1],
+                 step_times[-1])
     result["step_ms_after_warmup"] = (1000 * sum(step_times[6:]) / max(1, len(step_times[6:])))
-    params = list(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=deepcompile):
-        result["params"] = {n: p.detach().float().cpu().flatten().tolist() for n, p in params}
-    result["requires_grad"] = {n: p.requires_grad for n, p in params}
+    result["graph_breaks"] = int(sum(counters["graph_break"].values()))
+    result["graph_break_reasons"] = sorted({k.splitlines()[0] for k in counters["graph_break"]})
+    result["graph_break_fixes"] = getattr(engine, "_ds_z3native_graph_break_fixes", None)
+    if args.native == "ours":
+        from ds_z3native.compat.deepcompile_eager import eager_gather_of
+
+        gather = eager_gather_of(engine)
+        result["eager_gather"] = None if gather is None else {
+            "params": gather.eager_params, "gathered_total": gather.gathered_total,
+            "held_after_training": gather.held()}
+    gathered = stage == 3
+    if llama:
+        result["params"] = _trainable_params(engine, gathered)
+    else:
+        params = list(engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=gathered):
+            result["params"] = {n: p.detach().float().cpu().flatten().tolist() for n, p in params}
+    result["requires_grad"] = {n: p.requires_grad for n, p in engine.module.named_parameters()}
+
+
+def _disable_deepspeed_eager_fallback() -> None:
+    """Turn DeepSpeed's own eager fallback (0.19.8's parameter getter) off, as it behaves with
+    torch 2.11 on the GPU host, so that ds_z3native's eager gather is what is tested."""
+    try:
+        from deepspeed.compile import z3_eager_fallback
+    except ImportError:  # DeepSpeed < 0.19.8 has none
+        return
+    z3_eager_fallback.DeepCompileZ3EagerFallback._enable_forward_fallback = lambda self: None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -158,7 +294,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--mode", choices=["deepcompile", "eager"], default="deepcompile")
     parser.add_argument("--native", choices=["ours", "deepspeed"], default="ours",
                         help="ours: ds_z3native.install(); deepspeed: DeepSpeed's own op (JIT)")
-    parser.add_argument("--model", choices=["seed", "reuse3"], default="seed")
+    parser.add_argument("--model", choices=["seed", "reuse3", "eager-head", "eager-frozen", "llama"],
+                        default="seed")
+    parser.add_argument("--size", default="tiny", help="llama size (ds_z3native.models)")
+    parser.add_argument("--checkpointing", choices=["none", "non-reentrant", "reentrant"],
+                        default="none", help="llama: HF gradient checkpointing")
+    parser.add_argument("--eager-stage", type=int, choices=[0, 3], default=0,
+                        help="ZeRO stage of --mode eager")
+    parser.add_argument("--skip-patch", action="append", default=[], metavar="NAME",
+                        help="with ds_z3native: leave this compat patch out (repeatable), e.g. "
+                             "deepcompile-z3-eager-gather")
+    parser.add_argument("--no-deepspeed-fallback", action="store_true",
+                        help="turn DeepSpeed 0.19.8's own eager fallback off")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
@@ -169,15 +316,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="TORCH_EXTENSIONS_DIR = a new temporary directory (forces a JIT build)")
     parser.add_argument("--json", default=None, help="write the result here (default: stdout)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     result: Dict[str, Any] = {"args": vars(args)}
     try:
         run(args, result)
     except Exception as e:  # noqa: BLE001 - reported as data: the caller asserts on it
         result.update(error=f"{type(e).__name__}: {e}", error_type=type(e).__name__,
                       traceback=traceback.format_exc())
+    rank = int(os.environ.get("RANK", "0"))
+    result["rank"], result["world_size"] = rank, int(os.environ.get("WORLD_SIZE", "1"))
     text = json.dumps(result)
     if args.json:
-        with open(args.json, "w") as f:
+        # Under a launcher every rank reports; rank r > 0 writes <json>.rank<r>.
+        path = args.json if rank == 0 else f"{args.json}.rank{rank}"
+        with open(path, "w") as f:
             f.write(text)
     else:
         print(text)

@@ -12,24 +12,16 @@ Run on the GPU host, for each DeepSpeed version:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 from packaging.version import Version
 
+from helpers.dc_runner import run_alone, run_together
+
 pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed]
 
-ROOT = Path(__file__).resolve().parents[2]
-RUNNER = ROOT / "bench" / "deepcompile_run.py"
 STEPS = 10  # past DeepCompile's 5 warm-up steps, so prefetch and selective gather run
-TIMEOUT_S = 900
 
 # name -> runner arguments
 RUNS: Dict[str, Tuple[str, ...]] = {
@@ -44,45 +36,9 @@ RUNS: Dict[str, Tuple[str, ...]] = {
 }
 
 
-def _start(args: Tuple[str, ...], tmp: Path, name: str, fresh_caches: bool = False) -> Tuple[subprocess.Popen, Path]:
-    out = tmp / f"{name}.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "DS_Z3NATIVE")}
-    env["PYTHONUNBUFFERED"] = "1"
-    if fresh_caches:
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / f"{name}-inductor")
-    cmd = [sys.executable, str(RUNNER), *args, "--steps", str(STEPS), "--json", str(out)]
-    if fresh_caches:
-        cmd.append("--fresh-extension-cache")
-    log = open(tmp / f"{name}.log", "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), out
-
-
-def _collect(proc: subprocess.Popen, out: Path) -> Dict[str, Any]:
-    try:
-        proc.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log = out.with_suffix(".log").read_text()[-3000:]
-    assert out.exists(), f"runner died (rc {proc.returncode}):\n{log}"
-    result = json.loads(out.read_text())
-    result["log_tail"] = log
-    return result
-
-
-def _run_alone(name: str, args: Tuple[str, ...], fresh_caches: bool) -> Dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        return _collect(*_start(args, Path(tmp), name, fresh_caches))
-
-
 @pytest.fixture(scope="module")
-def runs() -> Iterator[Dict[str, Dict[str, Any]]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        started = {name: _start(args, Path(tmp), name) for name, args in RUNS.items()}
-        t0 = time.perf_counter()
-        results = {name: _collect(*p) for name, p in started.items()}
-        print(f"\n[runs] {len(results)} runs together in {time.perf_counter() - t0:.0f} s")
-        yield results
+def runs() -> Dict[str, Dict[str, Any]]:
+    return run_together({name: (args, STEPS) for name, args in RUNS.items()})
 
 
 def _trained(result: Dict[str, Any]) -> Dict[str, Any]:
@@ -162,7 +118,7 @@ def test_param_unfrozen_after_compile_raises_our_error(runs: Dict[str, Any]) -> 
 
 def test_report_compile_to_first_step_time() -> None:
     # Alone, with fresh inductor and extension caches: what a user's first run costs.
-    r = _trained(_run_alone("timing-ours", RUNS["seed-fp32-dc"], fresh_caches=True))
+    r = _trained(run_alone("timing-ours", RUNS["seed-fp32-dc"], STEPS, fresh_caches=True))
     print(f"\n[ds_z3native] DeepSpeed {r['deepspeed']}: engine.compile() to the end of the first "
           f"step with ds_z3native's op (fresh caches): {r['compile_to_first_step_end_s']:.2f} s; "
           f"steady step {r['step_ms_after_warmup']:.2f} ms")
@@ -174,7 +130,7 @@ def test_deepspeed_own_op_without_install() -> None:
     # DeepSpeed's own path: its op JIT-built into a fresh extension cache, no install().
     # 0.19.0 - 0.19.5 fail the seed repro with KeyError at engine.compile(); later ones train.
     args = ("--mode", "deepcompile", "--native", "deepspeed", "--model", "seed", "--dtype", "fp32")
-    r = _run_alone("timing-deepspeed", args, fresh_caches=True)
+    r = run_alone("timing-deepspeed", args, STEPS, fresh_caches=True)
     if _deepspeed_version() < Version("0.19.6"):
         assert r.get("error_type") == "KeyError", r.get("error", r["log_tail"])
         print(f"\n[deepspeed] DeepSpeed {r['deepspeed']} without ds_z3native: {r['error']}")

@@ -102,3 +102,11 @@ def test_seed_reproduction_one_gpu_nccl() -> None:
                         init_pg=False, timeout=600.0)[0]
     # cuBLAS and the CPU reference sum in different orders
     check(results, rtol=1e-4, atol=1e-5)
+
+
+def test_seed_reproduction_two_gpus_nccl() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    for results in run_ranks(seed_on_device, 2, "cuda", "nccl", env={"DS_ACCELERATOR": "cuda"},
+                             init_pg=False, timeout=600.0):
+        check(results, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,132 @@
+"""DeepCompile ZeRO-3 on the CPU (gloo, ds_z3native's CPU build): the eager-fallback gather and
+the removal of transformers' checkpointing graph breaks (issue 5's device-independent part).
+
+DeepCompile runs on the CPU accelerator of DeepSpeed >= 0.19.3 (its profiler falls back to default
+estimates without CUDA events; 0.19.2's raises KeyError 'device_time'), with ds_z3native's op.
+Each training run is its own process (``bench/deepcompile_run.py``: dynamo caches, DeepSpeed's
+hooks and the native runtime are process-wide), 7 steps: past DeepCompile's step-5 re-planning.
+The GPU side (bf16, 20 steps, DeepSpeed 0.19.2 too, torch 2.11 where the failure was seen) is
+tests/gpu/test_deepcompile_llama.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import pytest
+import torch
+from packaging.version import Version
+
+from helpers.dc_runner import run_alone
+
+pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
+
+STEPS = 7
+
+
+def _ds_version() -> Version:
+    import deepspeed
+
+    return Version(deepspeed.__version__.split("+")[0])
+
+
+needs_cpu_deepcompile = pytest.mark.skipif(
+    _ds_version() < Version("0.19.3"),
+    reason="DeepCompile's profiler needs CUDA before DeepSpeed 0.19.3; this DeepSpeed's "
+           "DeepCompile runs are covered on the GPU host (tests/gpu)")
+
+
+def run(*args: str, steps: int = STEPS) -> Dict[str, Any]:
+    """One training run of the runner on the CPU; its JSON result."""
+    return run_alone("cpu-run", args, steps, env={"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+
+
+def _ok(result: Dict[str, Any], steps: int = STEPS) -> Dict[str, Any]:
+    assert "error" not in result, f"{result['error']}\n{result.get('traceback', '')}\n{result['log_tail']}"
+    assert len(result["losses"]) == len(result["step_s"]) == steps
+    return result
+
+
+def _assert_same_training(ours: Dict[str, Any], ref: Dict[str, Any], rtol: float,
+                          atol: float) -> Tuple[float, float]:
+    """Losses and params after training equal (fp32); returns the largest differences."""
+    assert len(ours["losses"]) == len(ref["losses"]) == STEPS
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]),
+                               rtol=rtol, atol=atol)
+    assert ours["params"].keys() == ref["params"].keys()
+    worst = 0.0
+    for name, values in ref["params"].items():
+        a, b = torch.tensor(ours["params"][name]), torch.tensor(values)
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=name)
+        worst = max(worst, float((a - b).abs().max()))
+    loss_diff = float((torch.tensor(ours["losses"]) - torch.tensor(ref["losses"])).abs().max())
+    return loss_diff, worst
+
+
+@needs_cpu_deepcompile
+def test_frozen_layer_run_eagerly_is_gathered_and_trains_like_eager() -> None:
+    # The frozen Linear runs outside Dynamo (torch._dynamo.disable): its weight must be gathered
+    # for the forward and kept for the backward of the trainable layer before it.
+    ours = _ok(run("--model", "eager-frozen"))
+    ref = _ok(run("--model", "eager-frozen", "--mode", "eager", "--native", "deepspeed"))
+    _assert_same_training(ours, ref, rtol=1e-5, atol=1e-6)
+    gather = ours["eager_gather"]
+    assert gather["params"] == ["frozen.weight", "frozen.bias"]
+    assert gather["gathered_total"] == 2 * STEPS  # gathered every step: released after backward
+    assert gather["held_after_training"] == []
+
+
+@needs_cpu_deepcompile
+def test_frozen_layer_run_eagerly_fails_without_the_gather() -> None:
+    # The weak behaviour the patch replaces: the eager code reads the shape-[0] partition.
+    weak = run("--model", "eager-frozen", "--skip-patch", "deepcompile-z3-eager-gather",
+               "--no-deepspeed-fallback", steps=2)
+    assert "error" in weak
+    assert "must be a matrix" in weak["error"] or "shape" in weak["error"], weak["error"]
+
+
+@needs_cpu_deepcompile
+def test_trainable_param_read_eagerly_is_refused_by_name() -> None:
+    result = run("--model", "eager-head", steps=2)
+    assert result.get("error_type") == "EagerTrainableParam", result.get("error")
+    assert "head.weight (ds_id" in result["error"] and "graph_breaks" in result["error"]
+    assert result["losses"] == []  # refused in the first forward, before any step
+
+
+@needs_cpu_deepcompile
+def test_hf_llama_lora_nonreentrant_checkpointing_trains_like_eager_zero3() -> None:
+    common = ("--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant")
+    ours = _ok(run(*common))
+    ref = _ok(run(*common, "--mode", "eager", "--eager-stage", "3", "--native", "deepspeed"))
+    loss_diff, param_diff = _assert_same_training(ours, ref, rtol=1e-4, atol=1e-5)
+    fixes = ours["graph_break_fixes"]
+    assert fixes["removed_hooks"] == ["base_model.model.model.embed_tokens"]
+    assert fixes["use_cache_off"]
+    assert ours["graph_breaks"] == 0, ours["graph_break_reasons"]
+    # The same model with the hook and the use_cache warning left in place breaks the graph.
+    kept = _ok(run(*common, "--skip-patch", "deepcompile-hf-checkpoint-graph-breaks", steps=2), steps=2)
+    assert kept["graph_breaks"] > 0
+    assert any("requires_grad_" in r for r in kept["graph_break_reasons"])
+    print(f"graph breaks: {kept['graph_breaks']} -> {ours['graph_breaks']}; "
+          f"max |loss diff| {loss_diff:.2e}, max |LoRA param diff| {param_diff:.2e}")
+
+
+def test_reentrant_checkpointing_keeps_the_input_grad_hook() -> None:
+    from ds_z3native.compat.hf_graph_breaks import checkpoint_modes, remove_checkpoint_graph_breaks
+    from ds_z3native.models import MODEL_SIZES, build_lora_llama
+
+    model, _ = build_lora_llama(MODEL_SIZES["tiny"])
+    assert checkpoint_modes(model) == [] and remove_checkpoint_graph_breaks(model) == \
+        {"removed_hooks": [], "use_cache_off": []}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    emb = model.get_input_embeddings()
+    hooks = dict(emb._forward_hooks)
+    assert set(checkpoint_modes(model)) == {"reentrant"}
+    done = remove_checkpoint_graph_breaks(model)
+    assert done["removed_hooks"] == [] and dict(emb._forward_hooks) == hooks
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert set(checkpoint_modes(model)) == {"non-reentrant"}
+    # Each enable call registered a hook on the embedding; both go.
+    assert set(remove_checkpoint_graph_breaks(model)["removed_hooks"]) == \
+        {"base_model.model.model.embed_tokens"}
+    assert not emb._forward_hooks

@@ -1,37 +1,43 @@
-"""Eager ZeRO-3 LoRA training with activation checkpointing: step time and peak memory.
+"""1 B Llama + PEFT LoRA training: step time, throughput and peak memory per variant.
 
 The setup (``--size 1b``, the default): an HF ``LlamaForCausalLM`` of ~0.96 B params built from a
 ``LlamaConfig`` (hidden 2048, MLP 5632, 16 layers, 32 heads, vocab 32000, random init, no
-download), PEFT LoRA r=16 on every linear layer, bf16, micro-batch 4 x 1024 tokens per GPU, eager
-ZeRO-3 (DeepSpeed's defaults otherwise), AdamW. ``--size toy`` is the same at a size a CPU runs.
+download), PEFT LoRA r=16 on every linear layer, bf16, micro-batch 4 x 1024 tokens per GPU, AdamW
+(lr 1e-4). ``--size toy`` is the same at a size a CPU runs.
 
 One variant per process (DeepSpeed keeps process-wide hooks and state); the DeepSpeed version is
 whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
 
-* ``ours``: non-reentrant checkpointing with ds_z3native's recompute holds
+* ``plain``: plain PyTorch, no DeepSpeed, no ZeRO, no checkpointing (the ceiling);
+* ``none``: eager ZeRO-3, no checkpointing, DeepSpeed alone;
+* ``upstream``: eager ZeRO-3, non-reentrant checkpointing, DeepSpeed alone (fails before 0.19.3);
+* ``ours``: eager ZeRO-3, non-reentrant checkpointing with ds_z3native's recompute holds
   (``compat.checkpoint_recompute.apply_recompute_fix(holds=True)``, which on DeepSpeed >= 0.19.3
   replaces DeepSpeed's own fix);
-* ``upstream``: non-reentrant checkpointing, DeepSpeed alone (fails before 0.19.3);
-* ``reentrant``: reentrant checkpointing, DeepSpeed alone;
-* ``none``: no checkpointing, DeepSpeed alone.
+* ``reentrant``: eager ZeRO-3, reentrant checkpointing, DeepSpeed alone;
+* ``dc``: DeepCompile ZeRO-3 with ``ds_z3native.install()``, no checkpointing;
+* ``dc-ckpt``: the same with non-reentrant checkpointing;
+* ``dc-upstream``: DeepCompile ZeRO-3 with DeepSpeed's own op (JIT-built), no checkpointing.
 
-Each run writes one JSON file (setup, versions, step-time median/min/max over the steps after
-warm-up, peak memory, and the peak / backward mean of the bytes held by gathered ZeRO-3 params,
-taken in one extra instrumented step); ``merge`` combines such files into one (e.g.
-``bench/results/eager_lora.json``). A failed run still writes its file, with ``error``.
+DeepCompile variants run ``--dc-steps`` steps (default 20) and report the time from
+``engine.compile()`` to the end of the first step, the step where DeepCompile re-plans (its 6th:
+profiling and a full recompile), the wall time to the last step, and step statistics over the
+steps after the re-plan. Eager variants time ``--steps`` steps after ``--warmup``.
 
-On the GPU host (one GPU; for several use ``torchrun --nproc_per_node=N``):
+Throughput: tokens/s = micro-batch x seq x world size / step time. Model FLOPs per step (what the
+model needs, not what the run executed: checkpointing's recompute is not counted) =
+tokens x (4 x N + 8 x layers x seq x hidden) for a frozen base of N params (forward 2N, backward
+2N for the input gradients; attention scores and values 4 x layers x seq x hidden each way); LoRA's
+own weight gradients are negligible. The share of peak uses the GPU's dense bf16 peak (H100/H200:
+989 TFLOP/s).
 
-    bash .gpu/run.sh 0.19.8 'python3 -m pip install -q --no-index --no-deps --target /tmp/ds192 \\
-        .gpu/wheels/deepspeed-0.19.2-py3-none-any.whl &&
-      for v in upstream reentrant none ours; do
-        python3 bench/eager_lora.py --variant $v --output out/eager_lora/$v-0.19.8.json; done &&
-      PYTHONPATH=/tmp/ds192:$PYTHONPATH python3 bench/eager_lora.py --variant ours \\
-        --output out/eager_lora/ours-0.19.2.json &&
-      python3 bench/eager_lora.py merge out/eager_lora/*.json \\
-        --output bench/results/eager_lora.json'
+Each run writes one JSON file (setup, versions, step-time median/min/max, peak memory, tokens/s,
+TFLOP/s, peak share; eager ZeRO-3 variants also the bytes held by gathered params, from one extra
+instrumented step); ``merge`` combines such files into one (``bench/results/lora_llama.json``),
+with each run's ratio to the same run's ``upstream`` (eager checkpointing) and ``none``.
+A failed run still writes its file, with ``error``.
 
-On a CPU: ``DS_ACCELERATOR=cpu python bench/eager_lora.py --size toy --variant ours``.
+On a CPU: ``DS_ACCELERATOR=cpu python bench/lora_llama.py --size toy --variant ours``.
 """
 
 from __future__ import annotations
@@ -50,9 +56,14 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-log = logging.getLogger("bench.eager_lora")
+log = logging.getLogger("bench.lora_llama")
 
-VARIANTS = ("ours", "upstream", "reentrant", "none")
+VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-ckpt", "dc-upstream")
+CHECKPOINTING = {"plain": "none", "none": "none", "upstream": "non-reentrant",
+                 "ours": "non-reentrant", "reentrant": "reentrant", "dc": "none",
+                 "dc-ckpt": "non-reentrant", "dc-upstream": "none"}
+DEEPCOMPILE = ("dc", "dc-ckpt", "dc-upstream")
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
 SIZES: Dict[str, Dict[str, int]] = {
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=32),
@@ -71,6 +82,8 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--size", choices=sorted(SIZES), default="1b")
     p.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dc-steps", type=int, default=20,
+                   help="steps of a DeepCompile variant (timed after its 6th, the re-plan)")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--lora-r", type=int, default=16)
@@ -129,12 +142,22 @@ def _build_model(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
                       target_modules="all-linear")
     model = get_peft_model(model, lora)
     model.train()
-    if args.variant != "none":
+    mode = CHECKPOINTING[args.variant]
+    if mode != "none":
         model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": args.variant == "reentrant"})
-        if args.variant == "reentrant":
+            gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+        if mode == "reentrant":
             model.enable_input_require_grads()  # reentrant checkpointing needs a grad input
     return model
+
+
+def model_flops_per_step(n_params: int, layers: int, hidden: int, seq: int, tokens: int) -> float:
+    """Model FLOPs of one LoRA training step on a frozen base (see the module docstring)."""
+    return float(tokens) * (4.0 * n_params + 8.0 * layers * seq * hidden)
+
+
+def _peak_tflops(device_name: str) -> Optional[float]:
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
 
 
 class _GatheredBytes:
@@ -188,43 +211,56 @@ def _peak_rss_gib() -> float:
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
-    """Builds the setup, trains ``warmup + steps`` steps (+1 instrumented), returns the record."""
+    """Builds the setup, trains the variant's steps, returns the record."""
     _launcher_env()
-    import deepspeed
     import torch
 
+    variant = args.variant
+    deepcompile = variant in DEEPCOMPILE
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    if variant in ("dc", "dc-ckpt"):
+        import ds_z3native  # before DeepSpeed builds anything: its loader gets our op
+
+        ds_z3native.install()
+    import deepspeed
+
     if on_gpu:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
 
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         # gloo, and no JIT build of DeepSpeed's optional shared-memory comm kernel
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        # DeepCompile's profiler parses the accelerator's device string (a bare index on CPU)
+        type(get_accelerator()).current_device = lambda self: "cpu"
         device = torch.device("cpu")
     dtype_name = args.dtype or ("bf16" if on_gpu else "fp32")
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
-    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if variant == "plain":
+        rank, world_size = 0, 1
+    else:
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
-    record: Dict[str, Any] = {"bench": "eager_lora", "variant": args.variant,
-                              "versions": _versions()}
+    record: Dict[str, Any] = {"bench": "lora_llama", "variant": variant, "versions": _versions()}
     fix_mode = None
-    if args.variant == "ours":
+    if variant == "ours":
         from ds_z3native.compat.checkpoint_recompute import apply_recompute_fix, applied_mode
 
         apply_recompute_fix(holds=True)
         fix_mode = applied_mode()
-    record["fix"] = fix_mode
+    record["fix"] = fix_mode if variant == "ours" else (
+        "ds_z3native.install()" if variant in ("dc", "dc-ckpt") else None)
 
     t0 = time.perf_counter()
     model = _build_model(args, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("model: %.3f B params, %.2f M trainable (LoRA r=%d), built in %.1f s",
+    log.info("%s: %.3f B params, %.2f M trainable (LoRA r=%d), built in %.1f s", variant,
              n_params / 1e9, n_trainable / 1e6, args.lora_r, time.perf_counter() - t0)
     zero: Dict[str, Any] = {"stage": 3}
     threshold = (args.persistence_threshold if args.persistence_threshold is not None
@@ -239,43 +275,86 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     }
     if dtype is torch.bfloat16:
         config["bf16"] = {"enabled": True}
+    if deepcompile:
+        config["compile"] = {"deepcompile": True}
+    device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
     record["setup"] = {
         "size": args.size, "model": {**SIZES[args.size], "params": n_params,
                                      "trainable": n_trainable, "lora_r": args.lora_r,
                                      "lora_targets": "all-linear"},
         "dtype": dtype_name, "micro_batch": args.micro_batch, "seq": args.seq,
-        "world_size": world_size, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-        "checkpointing": {"ours": "non-reentrant", "upstream": "non-reentrant",
-                          "reentrant": "reentrant", "none": "none"}[args.variant],
-        "deepspeed_config": config, "warmup": args.warmup, "steps": args.steps,
+        "world_size": world_size, "device": device_name,
+        "checkpointing": CHECKPOINTING[variant], "deepcompile": deepcompile,
+        "zero": None if variant == "plain" else 3,
+        "deepspeed_config": None if variant == "plain" else config,
     }
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=config)
+    if variant == "plain":
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+        def forward_backward(ids: Any) -> Any:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        engine = None
+    else:
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=config)
+
+        def forward_backward(ids: Any) -> Any:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+
     g = torch.Generator().manual_seed(1000 + rank)
     vocab = SIZES[args.size]["vocab_size"]
 
     def step() -> float:
         ids = torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g).to(device)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        return loss.item()  # also waits for the device
+        return forward_backward(ids).item()  # .item() also waits for the device
 
-    times, losses = [], []
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup and on_gpu:
+    total = args.dc_steps if deepcompile else args.warmup + args.steps
+    first_timed = 6 if deepcompile else args.warmup  # DeepCompile re-plans at its 6th step
+    t_start = time.perf_counter()
+    if deepcompile:
+        engine.compile()
+    times, losses, all_steps = [], [], []
+    for i in range(total):
+        if i == first_timed and on_gpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         losses.append(step())
         elapsed = time.perf_counter() - start
-        if i >= args.warmup:
+        all_steps.append(elapsed)
+        if i == 0:
+            record["compile_to_first_step_s"] = time.perf_counter() - t_start
+        if i >= first_timed:
             times.append(elapsed * 1e3)
-        log.info("step %d/%d: %.1f ms, loss %.4f%s", i + 1, args.warmup + args.steps,
-                 elapsed * 1e3, losses[-1], " (warm-up)" if i < args.warmup else "")
+        log.info("%s step %d/%d: %.1f ms, loss %.4f%s", variant, i + 1, total, elapsed * 1e3,
+                 losses[-1], "" if i >= first_timed else " (warm-up)")
+    record["wall_to_last_step_s"] = time.perf_counter() - t_start
+    record["step_s_all"] = all_steps
+    if deepcompile:
+        record["replan_step_s"] = all_steps[5] if len(all_steps) > 5 else None
+        import torch._dynamo.utils
+
+        record["graph_breaks"] = int(sum(torch._dynamo.utils.counters["graph_break"].values()))
     record["step_ms"] = {"median": statistics.median(times), "min": min(times),
-                         "max": max(times), "all": times}
+                         "max": max(times), "n": len(times), "all": times}
+    tokens = args.micro_batch * args.seq * world_size
+    median_s = record["step_ms"]["median"] / 1e3
+    record["tokens_per_s"] = tokens / median_s
+    cfg = SIZES[args.size]
+    flops = model_flops_per_step(n_params, cfg["num_hidden_layers"], cfg["hidden_size"],
+                                 args.seq, tokens // world_size)
+    record["tflops"] = flops / median_s / 1e12  # per GPU
+    peak = _peak_tflops(device_name)
+    record["peak_share"] = record["tflops"] / peak if peak else None
     if on_gpu:
         record["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         record["peak_kind"] = "torch.cuda.max_memory_allocated over the timed steps"
@@ -283,29 +362,45 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         record["peak_gib"] = _peak_rss_gib()
         record["peak_kind"] = "process peak RSS (ru_maxrss), whole run"
     record["losses"] = losses
-    if not args.no_track_gathered:
+    if engine is not None and not deepcompile and not args.no_track_gathered:
         tracker = _GatheredBytes(list(model.parameters()))
         try:
             record["losses_instrumented_step"] = step()
         finally:
             record["gathered_params"] = tracker.close()
-    engine.destroy()
-    log.info("%s: median %.1f ms (min %.1f, max %.1f), peak %.2f GiB", args.variant,
-             record["step_ms"]["median"], record["step_ms"]["min"], record["step_ms"]["max"],
-             record["peak_gib"])
+    if engine is not None:
+        engine.destroy()
+    log.info("%s: median %.1f ms (min %.1f, max %.1f), %.0f tokens/s, %.1f TFLOP/s, peak %.2f GiB",
+             variant, record["step_ms"]["median"], record["step_ms"]["min"],
+             record["step_ms"]["max"], record["tokens_per_s"], record["tflops"], record["peak_gib"])
     return record
 
 
 def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
-    """Combines per-variant records into ``{"bench": ..., "runs": {"<variant>@<deepspeed>": ...}}``
-    (existing runs in ``output`` are kept unless replaced)."""
-    merged: Dict[str, Any] = {"bench": "eager_lora", "runs": {}}
+    """Combines per-variant records into ``{"bench": "lora_llama", "runs": {"<variant>@<deepspeed>":
+    ...}}`` (existing runs in ``output`` are kept unless replaced), and gives each run its ratios
+    to the ``upstream`` (eager, non-reentrant checkpointing) and ``none`` (eager, no
+    checkpointing) runs of the newest DeepSpeed in the file: ``speedup`` = baseline step time /
+    this step time, ``peak_ratio`` = this peak / baseline peak."""
+    merged: Dict[str, Any] = {"bench": "lora_llama", "runs": {}}
     if output.exists():
         merged = json.loads(output.read_text())
+        merged["bench"] = "lora_llama"
     for path in paths:
         record = json.loads(path.read_text())
         key = f"{record['variant']}@{record['versions']['deepspeed']}"
         merged["runs"][key] = record
+    ok = {k: r for k, r in merged["runs"].items() if "error" not in r and "step_ms" in r}
+    newest = max((k.split("@")[1] for k in ok), default=None,
+                 key=lambda v: tuple(int(x) for x in v.split(".")[:3]))
+    for base in ("upstream", "none"):
+        ref = ok.get(f"{base}@{newest}")
+        for record in ok.values():
+            if ref is None:
+                continue
+            record.setdefault("vs", {})[base] = {
+                "speedup": ref["step_ms"]["median"] / record["step_ms"]["median"],
+                "peak_ratio": record["peak_gib"] / ref["peak_gib"] if ref.get("peak_gib") else None}
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     return merged
@@ -328,7 +423,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         code = 0
     except Exception as e:  # noqa: BLE001 - a failed variant is a result too
         log.error("%s failed: %s", args.variant, e)
-        record = {"bench": "eager_lora", "variant": args.variant, "error": traceback.format_exc()}
+        record = {"bench": "lora_llama", "variant": args.variant, "error": traceback.format_exc()}
         try:
             record["versions"] = _versions()
         except Exception:  # noqa: BLE001

@@ -183,33 +183,72 @@ def _native_micro(result: Mapping[str, Any]) -> List[str]:
          "peak"], rows)
 
 
+_LORA_ORDER = ("plain", "none", "upstream", "reentrant", "ours", "dc", "dc-ckpt", "dc-upstream")
+_LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
+              "upstream": "eager ZeRO-3, DeepSpeed's own", "reentrant": "eager ZeRO-3",
+              "ours": "eager ZeRO-3 + ds_z3native holds", "dc": "DeepCompile + ds_z3native",
+              "dc-ckpt": "DeepCompile + ds_z3native", "dc-upstream": "DeepCompile, DeepSpeed's JIT op"}
+
+
+def _lora_speedup(r: Mapping[str, Any]) -> Optional[str]:
+    """Step-time speedup against the same run's eager ZeRO-3 with the same checkpointing
+    (``vs`` from lora_llama.py merge), with its peak-memory ratio."""
+    vs = r.get("vs") or {}
+    ckpt = (r.get("setup") or {}).get("checkpointing")
+    base = "none" if ckpt == "none" else "upstream"
+    ref = vs.get(base)
+    if not ref:
+        return None
+    peak = ref.get("peak_ratio")
+    return (f"{ref['speedup']:.2f}x vs `{base}`"
+            + (f", peak {peak:.2f}x" if isinstance(peak, (int, float)) else ""))
+
+
 def _lora(result: Mapping[str, Any]) -> List[str]:
-    s = result.get("setup") or {}
+    runs = result["runs"]
+    first = next((r for r in runs.values() if r.get("setup")), {})
+    s = result.get("setup") or first.get("setup") or {}
     model = s.get("model") or {}
     rows = []
-    runs = result["runs"]
-    for key in sorted(runs, key=lambda k: (run_variant(k, runs[k]), run_deepspeed(k, runs[k])
-                                           or "")):
+
+    def order(k: str) -> Any:
+        v = run_variant(k, runs[k])
+        return (_LORA_ORDER.index(v) if v in _LORA_ORDER else len(_LORA_ORDER), v,
+                run_deepspeed(k, runs[k]) or "")
+
+    for key in sorted(runs, key=order):
         r = runs[key]
-        head = [run_variant(key, r), str(run_deepspeed(key, r) or "-")]
+        variant = run_variant(key, r)
+        setup = r.get("setup") or {}
+        head = [variant, _LORA_WHAT.get(variant, "-"), setup.get("checkpointing", "-"),
+                str(run_deepspeed(key, r) or "-")]
         if not run_ok(r):
-            rows.append(head + [_error(r)] + ["-"] * 5)
+            rows.append(head + [_error(r)] + ["-"] * 6)
             continue
         share = r.get("peak_share")
-        rows.append(head + [_spread(r.get("step_ms"), "{:.1f}"), _num(_ratio(r), "{:.2f}", "x"),
+        speedup = _lora_speedup(r)
+        first_step = r.get("compile_to_first_step_s") if setup.get("deepcompile") else None
+        rows.append(head + [_spread(r.get("step_ms"), "{:.1f}"),
+                            speedup if speedup is not None else _num(_ratio(r), "{:.2f}", "x"),
                             _num(r.get("tokens_per_s"), "{:,.0f}"),
                             _num(r.get("peak_gib"), "{:.2f}"), _num(r.get("tflops"), "{:.1f}"),
-                            _num(None if share is None else 100 * share, "{:.1f}", "%")])
+                            _num(None if share is None else 100 * share, "{:.1f}", "%"),
+                            _num(first_step, "{:.0f}", " s")])
     params = model.get("params")
     title = ("**LoRA fine-tune step** ("
              + (f"{params / 1e9:.2f} B params, " if isinstance(params, (int, float)) else "")
              + (f"LoRA r={model['lora_r']}, " if model.get("lora_r") else "")
              + (f"micro-batch {s['micro_batch']} x {s['seq']} tokens, " if s.get("micro_batch")
                 and s.get("seq") else "")
-             + f"{s.get('dtype', '?')}, {s.get('world_size', '?')} GPU(s); "
-             + f"ratio: step time against `{result.get('baseline') or '-'}`):")
-    return [title, ""] + _table(["variant", "DeepSpeed", "ms/step (min–max)", "ratio",
-                                 "tokens/s", "peak GiB", "TFLOP/s", "share of bf16 peak"], rows)
+             + f"{s.get('dtype', '?')}, {s.get('world_size', '?')} GPU(s), "
+             + f"{s.get('device', '?')}; speedup: the same run's eager ZeRO-3 step time with the "
+               "same checkpointing over this one):")
+    lines = [title, ""] + _table(["variant", "what", "checkpointing", "DeepSpeed",
+                                  "ms/step (min–max)", "speedup", "tokens/s", "peak GiB",
+                                  "TFLOP/s", "share of bf16 peak", "compile to 1st step"], rows)
+    if result.get("note"):
+        lines += ["", f"_{result['note']}_"]
+    return lines
 
 
 def _generic(result: Mapping[str, Any]) -> List[str]:

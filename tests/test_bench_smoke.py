@@ -132,10 +132,11 @@ def test_report_regenerates_the_readme_block_idempotently(tmp_path: Path) -> Non
     assert "| 0.19.8 | 5.00 s (4.50–5.50) | 50.00 s (49.00–51.00) | 10.0x faster |" in once
     assert "| 0.19.2 | 5.40 s | fails: `KeyError: 0` at `engine.compile()` | works vs fails |" in once
     lines = once.splitlines()
-    ours = next(ln for ln in lines if ln.startswith("| ours | 0.19.2 |"))
+    ours = next(ln for ln in lines if ln.startswith("| ours | eager ZeRO-3 + ds_z3native holds | - | 0.19.2 |"))
     assert "180.0 (175.0–190.0)" in ours and "0.90x" in ours and "22,756" in ours
     assert "15.2%" in ours
-    assert any(ln.startswith("| upstream | 0.19.2 | fails: `CheckpointError: x`") for ln in lines)
+    assert any(ln.startswith("| upstream | eager ZeRO-3, DeepSpeed's own | - | 0.19.2 | fails: `CheckpointError: x`")
+               for ln in lines)
     assert "Native reduce/gather" not in once  # smoke results are not README material
     assert report.main(argv) == 0
     assert readme.read_text() == once

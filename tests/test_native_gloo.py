@@ -8,9 +8,13 @@ persistence, ZeRO-1/2) and for H5 (odd sizes, see test_native_hardening.py).
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 import torch
 
+from helpers.dist import run_python
 from helpers.native_scenarios import GARBAGE, Z3_PARAMS, scenario
 
 WORLD_SIZES = [2, 3]
@@ -101,3 +105,29 @@ def test_deepspeed_contract_script(ws: int) -> None:
         assert "allgather_param" in r["unknown_graph_error"]
         assert "graph_id 77" in r["unknown_graph_error"]
         assert r["initialized_after_cleanup"] is False
+
+
+def test_c10d_waits_release_the_gil() -> None:
+    # Under an active Python dispatcher (as while torch.compile / DeepCompile's profiler run a
+    # graph) gloo's worker thread inherits it and needs the GIL for the collective: an op that
+    # waited on the work while holding the GIL hung forever (seen in DeepSpeed 0.19.2's profiler).
+    code = """
+    import torch, torch.distributed as dist
+    from helpers.dist import free_port
+    from helpers.native_rt import live_runtime
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    with live_runtime(group=dist.group.WORLD) as m:
+        m.register_z3_param(1, [8], torch.arange(8.0), torch.Tensor(), False)
+        m.register_graph_z3(0, [1])
+        with torch._C._EnablePythonDispatcher():
+            t = torch.ops.dc.allgather_param(torch.empty(0), 0, 1)
+        print("gathered", t.tolist())
+    """
+    try:
+        tests_dir = os.path.dirname(os.path.abspath(__file__))
+        proc = run_python(code, timeout=60, env={"PYTHONPATH": tests_dir})
+    except subprocess.TimeoutExpired:
+        pytest.fail("the gather under the Python dispatcher hung (GIL held while waiting)")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "gathered [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]" in proc.stdout

@@ -1,6 +1,9 @@
 #include "comm/c10d_collectives.h"
 
+#include <pybind11/pybind11.h>
+
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
@@ -11,6 +14,19 @@
 
 namespace dsz {
 namespace {
+
+// Waits on c10d work without the GIL: the backend's worker thread may need it (gloo's allgather
+// views its tensors, which under an active Python dispatcher, as while torch.compile profiles a
+// graph, calls into Python), and would wait forever on a caller blocked here holding it.
+void waitWithoutGil(const c10::intrusive_ptr<c10d::Work>& work)
+{
+    if (Py_IsInitialized() && PyGILState_Check()) {
+        pybind11::gil_scoped_release no_gil;
+        work->wait();
+    } else {
+        work->wait();
+    }
+}
 
 class C10dCollectives final : public Collectives {
 public:
@@ -64,7 +80,7 @@ public:
         std::string first_error;
         for (Pending& p : pending) {
             try {
-                p.work->wait();
+                waitWithoutGil(p.work);
             } catch (const std::exception& e) {
                 // Keep waiting on the rest so no work outlives its tensors; report the first.
                 if (first_error.empty()) { first_error = describe(p.op, p.ds_id, e.what()); }
@@ -95,7 +111,7 @@ private:
             return;
         }
         try {
-            work->wait();
+            waitWithoutGil(work);
         } catch (const std::exception& e) {
             DSZ_FAIL(op, describe(op, ds_id, e.what()));
         }

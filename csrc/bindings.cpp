@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -41,6 +43,22 @@ T configValue(const py::object& config, const char* name, T fallback)
     return v.cast<T>();
 }
 
+constexpr const char* kBudgetEnv = "DS_Z3NATIVE_PERSISTENCE_BUDGET_MB";
+
+// DS_Z3NATIVE_PERSISTENCE_BUDGET_MB: MiB that DeepCompile's selective gather may keep gathered
+// (unset or empty: no limit).
+std::optional<int64_t> persistenceBudgetFromEnv()
+{
+    const char* raw = std::getenv(kBudgetEnv);
+    if (raw == nullptr || *raw == '\0') { return std::nullopt; }
+    char* end = nullptr;
+    errno = 0;
+    const double mib = std::strtod(raw, &end);
+    DSZ_CHECK(end != raw && *end == '\0' && errno == 0 && mib >= 0 && mib < 1e12, "init",
+              kBudgetEnv, "='", raw, "' is not a number of MiB >= 0 (unset it for no limit)");
+    return static_cast<int64_t>(mib * 1024 * 1024);
+}
+
 void init(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const py::object& config,
           int64_t initial_reduce_bucket_size)
 {
@@ -56,11 +74,23 @@ void init(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const py::object& co
     c.sync_after_allgather = configValue<bool>(config, "sync_after_allgather", false);
     c.offload_activation_pin_memory =
         configValue<bool>(config, "offload_activation_pin_memory", c.offload_activation_pin_memory);
+    c.persistence_budget_bytes = persistenceBudgetFromEnv();
     // A second init() replaces the first: its communicator and buffers are released first.
     dsz::current_runtime::destroy();
     dsz::Backends b = dsz::makeBackends(pg);
     dsz::current_runtime::replace(
         std::make_unique<Runtime>(std::move(b.comm), std::move(b.device), c));
+}
+
+py::dict persistenceInfo()
+{
+    const Runtime::PersistenceUse u = get("persistence_info").persistenceUse();
+    py::dict d;
+    d["budget_bytes"] = u.budget_bytes ? py::object(py::int_(*u.budget_bytes)) : py::object(py::none());
+    d["selected_bytes"] = u.selected_bytes;
+    d["selected"] = u.selected;
+    d["declined"] = u.declined;
+    return d;
 }
 
 at::Tensor orUndefined(const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); }
@@ -216,6 +246,14 @@ PYBIND11_MODULE(_C, m)
     m.def("build_info", &buildInfo, "How this extension was built.");
     m.def("is_initialized", [] { return dsz::current_runtime::tryGet() != nullptr; });
     m.def("runtime_info", &runtimeInfo, "Rank, world size and backends of the live runtime.");
+    m.def("set_persistence_budget",
+          [](std::optional<int64_t> bytes) { get("set_persistence_budget").setPersistenceBudget(bytes); },
+          py::arg("bytes"),
+          "Bytes DeepCompile's selective gather (set_persistent) may keep gathered in the live "
+          "runtime; None = no limit. init() takes it from DS_Z3NATIVE_PERSISTENCE_BUDGET_MB.");
+    m.def("persistence_info", &persistenceInfo,
+          "The set_persistent budget and what it kept: budget_bytes, selected_bytes, selected, "
+          "declined.");
     m.def("comm_stats", &commStats, "Collectives issued since init() or reset_comm_stats().");
     m.def("reset_comm_stats", [] { get("reset_comm_stats").resetStats(); });
     m.def("param_state", &paramState, py::arg("ds_id"), "One param's flags and sizes.");

@@ -56,6 +56,12 @@ Runtime::Runtime(std::unique_ptr<Collectives> comm,
 {
     DSZ_CHECK(config.free_activation_threshold >= 0, "init",
               "free_activation_threshold must be >= 0, got ", config.free_activation_threshold);
+    if (config.persistence_budget_bytes) {
+        DSZ_CHECK(*config.persistence_budget_bytes >= 0, "init",
+                  "the persistence budget must be >= 0 bytes, got ",
+                  *config.persistence_budget_bytes);
+    }
+    persistence_.budget_bytes = config.persistence_budget_bytes;
 }
 
 Runtime::~Runtime() = default;
@@ -166,6 +172,18 @@ void Runtime::setPersistent(int64_t ds_id)
     DSZ_LOCK;
     ParamEntry& p = registry_.get(ds_id, "set_persistent");
     DSZ_CHECK(p.partitioned, "set_persistent", "ds_id ", ds_id, " is not a ZeRO-3 parameter");
+    if (!p.persistent) {
+        // A hint from DeepCompile's selective gather: over the budget, the param simply keeps
+        // being gathered and released at each use.
+        const int64_t bytes = p.layout.padded * static_cast<int64_t>(p.shard.element_size());
+        const auto& budget = persistence_.budget_bytes;
+        if (budget && persistence_.selected_bytes + bytes > *budget) {
+            persistence_.declined += 1;
+            return;
+        }
+        persistence_.selected_bytes += bytes;
+        persistence_.selected += 1;
+    }
     p.persistent = true;
     // Gather now, outside forward and backward, so the long-lived buffer does not fragment
     // the memory the graphs use.
@@ -173,6 +191,22 @@ void Runtime::setPersistent(int64_t ds_id)
         gatherer_.gather(p, std::nullopt, "set_persistent");
         gatherer_.wait(p);
     }
+}
+
+void Runtime::setPersistenceBudget(std::optional<int64_t> bytes)
+{
+    DSZ_LOCK;
+    if (bytes) {
+        DSZ_CHECK(*bytes >= 0, "set_persistence_budget", "the budget must be >= 0 bytes, got ",
+                  *bytes);
+    }
+    persistence_.budget_bytes = bytes;
+}
+
+Runtime::PersistenceUse Runtime::persistenceUse()
+{
+    DSZ_LOCK;
+    return persistence_;
 }
 
 void Runtime::setParamFrozen(int64_t ds_id, bool frozen)

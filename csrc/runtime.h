@@ -34,6 +34,9 @@ struct RuntimeConfig {
     bool sync_before_allgather = false;
     bool sync_after_allgather = false;
     bool offload_activation_pin_memory = true;
+    // Bytes that set_persistent (DeepCompile's selective gather) may keep gathered; unset = no
+    // limit (DeepSpeed's behaviour). Params registered persistent do not count.
+    std::optional<int64_t> persistence_budget_bytes;
 };
 
 class Runtime {
@@ -52,6 +55,16 @@ public:
     void updateParamGradBuffer(int64_t ds_id, const at::Tensor& grad_buffer, int64_t offset);
     void registerGraph(int64_t graph_id, const std::vector<int64_t>& ds_ids, ZeroStage stage);
     void setPersistent(int64_t ds_id);
+    // Changes the budget of set_persistent for the rest of the run (already persistent params
+    // stay); unset = no limit.
+    void setPersistenceBudget(std::optional<int64_t> bytes);
+    struct PersistenceUse {
+        std::optional<int64_t> budget_bytes;
+        int64_t selected_bytes;  // kept gathered because of set_persistent
+        int64_t selected;        // params set persistent
+        int64_t declined;        // set_persistent calls over the budget (the param stays released)
+    };
+    PersistenceUse persistenceUse();
     void setParamFrozen(int64_t ds_id, bool frozen);
     bool isParamFrozen(int64_t ds_id);
     void startForward();
@@ -115,6 +128,7 @@ private:
     std::map<int64_t, ActivationOffload> offloads_;
     bool profiling_ = false;
     bool updating_ = false;       // the current backward ends an accumulation window
+    PersistenceUse persistence_{std::nullopt, 0, 0, 0};
     bool window_closed_ = true;   // the previous backward ended one: gradients start afresh
     std::mutex mutex_;
 };

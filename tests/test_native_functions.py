@@ -321,3 +321,37 @@ def test_reset_and_cleanup_lifecycle(m) -> None:
     assert not m.is_initialized()
     with pytest.raises(RuntimeError, match="register_graph_z3.*not initialized"):
         m.register_graph_z3(7, [1])
+
+
+def test_persistence_budget_caps_set_persistent(m, monkeypatch: pytest.MonkeyPatch) -> None:
+    # DeepCompile's selective gather marks params persistent while it estimates free memory;
+    # with a budget only what fits stays gathered (here: one 1 MiB fp32 param of two).
+    monkeypatch.delenv(ds_z3native.PERSISTENCE_BUDGET_ENV, raising=False)
+    ds_z3native.set_persistence_budget(1.5)
+    assert os.environ[ds_z3native.PERSISTENCE_BUDGET_ENV] == "1.5"
+    m.init(local_group(), compile_config(), 4096)
+    n = 256 * 1024  # 1 MiB of fp32
+    for ds_id in (101, 102):
+        m.register_z3_param(ds_id, [n], _z3_param(n), torch.Tensor(), False)
+    m.set_persistent(101)
+    m.set_persistent(102)
+    assert m.param_state(101)["persistent"] and not m.param_state(102)["persistent"]
+    assert m.persistence_info() == {"budget_bytes": int(1.5 * 2**20), "selected_bytes": 4 * n,
+                                    "selected": 1, "declined": 1}
+    ds_z3native.set_persistence_budget(None)  # the live runtime too
+    assert ds_z3native.PERSISTENCE_BUDGET_ENV not in os.environ
+    m.set_persistent(102)
+    assert m.param_state(102)["persistent"]
+    assert m.persistence_info()["budget_bytes"] is None
+    for bad in (-1, float("nan"), "2", True):
+        with pytest.raises(ValueError, match="set_persistence_budget"):
+            ds_z3native.set_persistence_budget(bad)
+
+
+def test_persistence_budget_env_must_be_a_number(m, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ds_z3native.PERSISTENCE_BUDGET_ENV, "lots")
+    with pytest.raises(RuntimeError, match=r"init: DS_Z3NATIVE_PERSISTENCE_BUDGET_MB='lots' is not"):
+        m.init(local_group(), compile_config(), 4096)
+    monkeypatch.setenv(ds_z3native.PERSISTENCE_BUDGET_ENV, "")
+    m.init(local_group(), compile_config(), 4096)  # empty: no limit
+    assert m.persistence_info()["budget_bytes"] is None

@@ -10,8 +10,10 @@ DeepSpeed's DeepCompile use it (and patches DeepSpeed's Python side for frozen p
 from __future__ import annotations
 
 import logging
+import math
+import os
 from types import ModuleType
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -20,7 +22,8 @@ from .installer import InstallError, InstallReport, UnsupportedDeepSpeed, instal
 
 __all__ = ["native", "build_info", "current_graph_task_id", "DcNamespaceTaken",
            "existing_dc_owner", "__version__", "install", "uninstall", "installed",
-           "InstallReport", "InstallError", "UnsupportedDeepSpeed"]
+           "InstallReport", "InstallError", "UnsupportedDeepSpeed", "set_persistence_budget",
+           "PERSISTENCE_BUDGET_ENV"]
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -43,3 +46,29 @@ def build_info() -> Dict[str, Any]:
 def current_graph_task_id() -> int:
     """The autograd engine's current graph task id: -1 outside backward, >= 0 inside it."""
     return int(load().current_graph_task_id())
+
+
+PERSISTENCE_BUDGET_ENV = "DS_Z3NATIVE_PERSISTENCE_BUDGET_MB"
+
+
+def set_persistence_budget(mib: Optional[float]) -> None:
+    """Cap the memory DeepCompile's selective gather may keep gathered, in MiB (``None``: no cap,
+    DeepSpeed's behaviour). After profiling, DeepCompile marks params persistent
+    (``set_persistent``) while it estimates free GPU memory, trading memory for fewer gathers;
+    with a cap, ds_z3native keeps only what fits and the others are gathered and released at
+    each use as before. Params persistent by DeepSpeed's own threshold are not counted.
+
+    Applies to the live runtime, if any, and to every later ``init()`` in this process and its
+    children (through ``DS_Z3NATIVE_PERSISTENCE_BUDGET_MB``, which can also be set directly)."""
+    if mib is None:
+        os.environ.pop(PERSISTENCE_BUDGET_ENV, None)
+        nbytes = None
+    else:
+        if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not math.isfinite(mib) \
+                or mib < 0:
+            raise ValueError(f"set_persistence_budget: expected MiB >= 0 or None, got {mib!r}")
+        os.environ[PERSISTENCE_BUDGET_ENV] = repr(float(mib))
+        nbytes = int(mib * 1024 * 1024)
+    m = load()
+    if m.is_initialized():
+        m.set_persistence_budget(nbytes)

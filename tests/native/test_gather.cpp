@@ -229,5 +229,38 @@ TEST(ActivationOffload, RoundTripOnTheHost)
     });
 }
 
+
+TEST(Persistent, SetPersistentStaysWithinTheBudget)
+{
+    RuntimeConfig config = smallConfig();
+    // Room for one gathered 4-element fp32 param (16 bytes), not two.
+    config.persistence_budget_bytes = 24;
+    runRanks(2, config, [&](int64_t, Runtime& rt) {
+        registerZ3(rt, 91, {4});
+        registerZ3(rt, 92, {4});
+        registerZ3(rt, 93, {3}, /*frozen=*/true, /*persistent=*/true);  // registered: not counted
+        rt.setPersistent(91);
+        rt.setPersistent(92);  // over the budget: declined, stays a gathered-per-use param
+        rt.setPersistent(91);  // already persistent: not counted twice
+        EXPECT_TRUE(rt.paramState(91).persistent);
+        EXPECT_FALSE(rt.paramState(92).persistent);
+        Runtime::PersistenceUse use = rt.persistenceUse();
+        EXPECT_EQ(use.selected, 1);
+        EXPECT_EQ(use.declined, 1);
+        EXPECT_EQ(use.selected_bytes, 4 * 4);
+        rt.registerGraph(kGraph, {91, 92}, ZeroStage::Z3);
+        at::Tensor a = rt.allgatherParam(kGraph, 92, std::nullopt);
+        EXPECT_TRUE(a.equal(fullParam(92, {4})));
+        rt.releaseParam(kGraph, 92, 1);
+        EXPECT_TRUE(freed(a));
+        // Lifting the limit lets the next hint through.
+        rt.setPersistenceBudget(std::nullopt);
+        rt.setPersistent(92);
+        EXPECT_TRUE(rt.paramState(92).persistent);
+        EXPECT_TRUE(throwsNaming([&] { rt.setPersistenceBudget(-1); },
+                                 {"set_persistence_budget", "-1"}));
+    });
+}
+
 }  // namespace
 }  // namespace dsz::test

@@ -109,6 +109,8 @@ NATIVE_FUNCTIONS: Dict[str, Arity] = {
     "comm_stats": Arity(0, 0),
     "reset_comm_stats": Arity(0, 0),
     "param_state": Arity(1, 1, ("ds_id",)),
+    "set_persistence_budget": Arity(1, 1, ("bytes",)),
+    "persistence_info": Arity(0, 0),
 }
 
 

@@ -17,6 +17,8 @@ whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
 * ``reentrant``: eager ZeRO-3, reentrant checkpointing, DeepSpeed alone;
 * ``dc``: DeepCompile ZeRO-3 with ``ds_z3native.install()``, no checkpointing;
 * ``dc-ckpt``: the same with non-reentrant checkpointing;
+* ``dc-ckpt-lowmem``: ``dc-ckpt`` with ``ds_z3native.set_persistence_budget(0)``: DeepCompile's
+  selective gather keeps no param gathered beyond DeepSpeed's own persistence threshold;
 * ``dc-upstream``: DeepCompile ZeRO-3 with DeepSpeed's own op (JIT-built), no checkpointing.
 
 DeepCompile variants run ``--dc-steps`` steps (default 20) and report the time from
@@ -58,11 +60,14 @@ from typing import Any, Callable, Dict, List, Optional
 
 log = logging.getLogger("bench.lora_llama")
 
-VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-ckpt", "dc-upstream")
+VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-ckpt", "dc-ckpt-lowmem",
+            "dc-upstream")
 CHECKPOINTING = {"plain": "none", "none": "none", "upstream": "non-reentrant",
                  "ours": "non-reentrant", "reentrant": "reentrant", "dc": "none",
-                 "dc-ckpt": "non-reentrant", "dc-upstream": "none"}
-DEEPCOMPILE = ("dc", "dc-ckpt", "dc-upstream")
+                 "dc-ckpt": "non-reentrant", "dc-ckpt-lowmem": "non-reentrant",
+                 "dc-upstream": "none"}
+DEEPCOMPILE = ("dc", "dc-ckpt", "dc-ckpt-lowmem", "dc-upstream")
+OURS_DC = ("dc", "dc-ckpt", "dc-ckpt-lowmem")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
 SIZES: Dict[str, Dict[str, int]] = {
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -218,10 +223,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     variant = args.variant
     deepcompile = variant in DEEPCOMPILE
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
-    if variant in ("dc", "dc-ckpt"):
+    if variant in OURS_DC:
         import ds_z3native  # before DeepSpeed builds anything: its loader gets our op
 
         ds_z3native.install()
+        if variant == "dc-ckpt-lowmem":
+            ds_z3native.set_persistence_budget(0)
     import deepspeed
 
     if on_gpu:
@@ -254,7 +261,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         apply_recompute_fix(holds=True)
         fix_mode = applied_mode()
     record["fix"] = fix_mode if variant == "ours" else (
-        "ds_z3native.install()" if variant in ("dc", "dc-ckpt") else None)
+        "ds_z3native.install()" if variant in OURS_DC else None)
 
     t0 = time.perf_counter()
     model = _build_model(args, device, dtype)
@@ -285,6 +292,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "dtype": dtype_name, "micro_batch": args.micro_batch, "seq": args.seq,
         "world_size": world_size, "device": device_name,
         "checkpointing": CHECKPOINTING[variant], "deepcompile": deepcompile,
+        "persistence_budget_mb": 0 if variant == "dc-ckpt-lowmem" else None,
         "zero": None if variant == "plain" else 3,
         "deepspeed_config": None if variant == "plain" else config,
     }
@@ -344,6 +352,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         import torch._dynamo.utils
 
         record["graph_breaks"] = int(sum(torch._dynamo.utils.counters["graph_break"].values()))
+        if variant in OURS_DC:
+            import ds_z3native
+
+            record["persistence"] = dict(ds_z3native.native().persistence_info())
     record["step_ms"] = {"median": statistics.median(times), "min": min(times),
                          "max": max(times), "n": len(times), "all": times}
     tokens = args.micro_batch * args.seq * world_size

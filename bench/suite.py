@@ -20,7 +20,7 @@ Result file (``<output-dir>/<name>.json``; ``--smoke`` defaults to ``bench/resul
                     ... benchmark-specific fields}}}
 
 Run keys are the variant (``ours``) or ``variant@deepspeed-version`` where a benchmark compares
-DeepSpeed versions. ``bench.eager_lora``'s ``merge`` output (``{"bench", "runs"}``, records with
+DeepSpeed versions. ``bench/lora_llama.py merge``'s output (``{"bench", "runs"}``, records with
 ``step_ms`` and ``peak_gib``) is a subset of this format.
 """
 
@@ -435,7 +435,7 @@ register(Benchmark(
 # ------------------------------------------------------------------------- 1 B LoRA (Llama)
 
 def _lora_script() -> "tuple[str, Sequence[str]]":
-    """The LoRA runner (``bench/lora_llama.py``, or ``bench/eager_lora.py`` before it exists)
+    """The LoRA runner (``bench/lora_llama.py``; ``bench/eager_lora.py`` in older checkouts)
     and its variants."""
     for module in ("lora_llama", "eager_lora"):
         if (BENCH_DIR / f"{module}.py").exists():

@@ -396,23 +396,36 @@ def _first_step_run(ctx: BenchContext) -> Dict[str, Any]:
 
 
 def _first_step_smoke(ctx: BenchContext) -> Dict[str, Any]:
-    """DeepCompile needs CUDA: on CPU the runner trains its model eagerly (ZeRO-0), to show the
-    runner works; both DeepCompile variants are reported as not available."""
+    """On the CPU: with DeepSpeed >= 0.19.3 our op runs DeepCompile there (gloo; DeepSpeed's own
+    op builds only with CUDA, so its variant is not available); older DeepSpeed profiles with
+    CUDA events only, and the runner then trains its model eagerly (ZeRO-0) to show it works."""
+    ds = versions().get("deepspeed")
     out = ctx.work_dir / "first_step_smoke.json"
-    cmd = Command([sys.executable, "bench/deepcompile_run.py", "--mode", "eager", "--steps", "2",
-                   "--json", str(out)], label="deepcompile_first_step smoke (eager, CPU)",
-                  env={"DS_ACCELERATOR": "cpu"}, output=out)
+    deepcompile = bool(ds) and _release(ds) >= (0, 19, 3)
+    args = ["--mode", "deepcompile", "--native", "ours"] if deepcompile else ["--mode", "eager"]
+    cmd = Command([sys.executable, "bench/deepcompile_run.py", *args, "--steps", "2",
+                   "--json", str(out)],
+                  label="deepcompile_first_step smoke (CPU)",
+                  env={"DS_ACCELERATOR": "cpu", "TORCHINDUCTOR_CACHE_DIR":
+                       str(ctx.work_dir / "first_step_inductor")}, output=out)
     code = run_command(cmd, ctx.work_dir / "logs", ctx.timeout)
     res = _read_json(out) or {}
     ok = code == 0 and not res.get("error") and len(res.get("losses", [])) == 2
-    reason = "DeepCompile (engine.compile()) needs CUDA; this is the CPU smoke run"
-    runs = {f"{v}@{versions().get('deepspeed')}": {"variant": v, "status": "not_available",
-                                                    "reason": reason}
-            for v in _FIRST_STEP_VARIANTS}
-    runs[f"eager-runner@{versions().get('deepspeed')}"] = {"variant": "eager-runner", "status": "ok" if ok else "failed",
-                            "losses": res.get("losses"), "error": None if ok else
-                            (res.get("error") or f"exit code {code}")}
-    return {"runs": runs, "setup": {"runner": "bench/deepcompile_run.py --mode eager --steps 2"}}
+    runs: Dict[str, Any] = {}
+    for v in _FIRST_STEP_VARIANTS:
+        if v == "ours" and deepcompile:
+            continue
+        reason = ("DeepSpeed's own dc op builds only with CUDA" if v != "ours" else
+                  "DeepCompile on the CPU needs DeepSpeed >= 0.19.3")
+        runs[f"{v}@{ds}"] = {"variant": v, "status": "not_available", "reason": reason}
+    key = f"ours@{ds}" if deepcompile else f"eager-runner@{ds}"
+    runs[key] = {"variant": key.split("@")[0], "status": "ok" if ok else "failed",
+                 "losses": res.get("losses"),
+                 "error": None if ok else (res.get("error") or f"exit code {code}")}
+    if ok and deepcompile:
+        runs[key]["first_step_s"] = summarize([res["compile_to_first_step_end_s"]])
+    return {"runs": runs, "setup": {"runner": "bench/deepcompile_run.py " + " ".join(args) +
+                                              " --steps 2", "device": "cpu"}}
 
 
 def _cuda_device_name() -> Optional[str]:
@@ -488,14 +501,29 @@ def _lora_run(ctx: BenchContext) -> Dict[str, Any]:
 
 def _lora_smoke(ctx: BenchContext) -> Dict[str, Any]:
     script, variants = _lora_script()
-    cmds = [Command([sys.executable, script, "--variant", v, "--size", "toy", "--steps", "2",
-                     "--warmup", "1", "--seq", "32", "--micro-batch", "1",
-                     "--no-track-gathered", "--output", str(ctx.work_dir / "lora" / f"{v}.json")],
-                    label=f"lora_llama {v}@{versions().get('deepspeed')}",
-                    env={"DS_ACCELERATOR": "cpu"}, output=ctx.work_dir / "lora" / f"{v}.json")
-            for v in ("ours", "none") if v in variants]
+    picked = ["ours", "none"]
+    ds = versions().get("deepspeed")
+    # DeepCompile runs on the CPU from DeepSpeed 0.19.3 (its profiler falls back without CUDA).
+    if ds and _release(ds) >= (0, 19, 3):
+        picked.append("dc-ckpt")
+    cmds = []
+    for v in picked:
+        if v not in variants:
+            continue
+        out = ctx.work_dir / "lora" / f"{v}.json"
+        steps = (["--dc-steps", "7"] if v.startswith("dc") else ["--steps", "2", "--warmup", "1"])
+        cmds.append(Command([sys.executable, script, "--variant", v, "--size", "toy", *steps,
+                             "--seq", "32", "--micro-batch", "1", "--no-track-gathered",
+                             "--output", str(out)], label=f"lora_llama {v}@{ds}",
+                            env={"DS_ACCELERATOR": "cpu"}, output=out))
     run_commands(cmds, ctx)
     return _lora_merge(cmds, ctx, script)
+
+
+def _release(version: str) -> tuple:
+    """(major, minor, patch) of a version string such as ``0.19.8+abc``."""
+    parts = re.findall(r"\d+", version.split("+")[0])[:3]
+    return tuple(int(p) for p in parts) + (0,) * (3 - len(parts))
 
 
 register(Benchmark(

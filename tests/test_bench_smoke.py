@@ -181,3 +181,35 @@ def test_bench_help(cmd: list, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     for name in ("native_micro", "deepcompile_first_step", "lora_llama"):
         assert name in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lora_llama", "deepcompile_first_step"])
+def test_gpu_benchmarks_smoke_on_cpu(tmp_path: Path, name: str) -> None:
+    # Each GPU benchmark runs its own code at toy size on the CPU (timings mean nothing here).
+    r = subprocess.run([sys.executable, "-m", "bench", name, "--smoke", "--output-dir",
+                        str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    assert result["bench"] == name and result["mode"] == "smoke"
+    ok = {k: v for k, v in result["runs"].items() if v.get("status") == "ok"}
+    failed = {k: v for k, v in result["runs"].items() if v.get("status") == "failed"}
+    assert ok and not failed, result["runs"]
+    import deepspeed
+    from packaging.version import Version
+
+    cpu_deepcompile = Version(deepspeed.__version__.split("+")[0]) >= Version("0.19.3")
+    if name == "lora_llama":
+        assert {k.split("@")[0] for k in ok} >= {"ours", "none"}
+        for run in ok.values():
+            assert run["step_ms"]["median"] > 0 and run["tokens_per_s"] > 0
+        if cpu_deepcompile:
+            dc = next(v for k, v in ok.items() if k.startswith("dc-ckpt@"))
+            assert dc["graph_breaks"] == 0 and len(dc["losses"]) == 7
+    else:
+        if cpu_deepcompile:
+            assert any(k.startswith("ours@") and v["first_step_s"]["median"] > 0
+                       for k, v in ok.items())
+        assert all(v["status"] == "not_available" for k, v in result["runs"].items()
+                   if k.startswith("deepspeed-jit@"))

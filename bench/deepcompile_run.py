@@ -249,6 +249,13 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         else:
             x, y = _batch(step, args.seed, dtype, device)
             loss = engine(x, y)
+        if args.eval_between:
+            # An evaluation forward between a training forward and its backward.
+            with torch.no_grad():
+                if llama:
+                    engine(input_ids=_llama_batch(args.size, step + 10**6, args.seed, device)[0])
+                else:
+                    engine(*_batch(step + 10**6, args.seed, dtype, device))
         engine.backward(loss)
         engine.step()
         if not cpu:
@@ -307,6 +314,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--skip-patch", action="append", default=[], metavar="NAME",
                         help="with ds_z3native: leave this compat patch out (repeatable), e.g. "
                              "deepcompile-z3-eager-gather")
+    parser.add_argument("--eval-between", action="store_true",
+                        help="run a no-grad forward between each forward and its backward")
     parser.add_argument("--no-deepspeed-fallback", action="store_true",
                         help="turn DeepSpeed 0.19.8's own eager fallback off")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")

@@ -18,7 +18,8 @@ whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
 * ``dc``: DeepCompile ZeRO-3 with ``ds_z3native.install()``, no checkpointing;
 * ``dc-ckpt``: the same with non-reentrant checkpointing;
 * ``dc-ckpt-lowmem``: ``dc-ckpt`` with ``ds_z3native.set_persistence_budget(0)``: DeepCompile's
-  selective gather keeps no param gathered beyond DeepSpeed's own persistence threshold;
+  selective gather keeps no param gathered between uses (DeepCompile registers every param
+  non-persistent, norm weights included);
 * ``dc-upstream``: DeepCompile ZeRO-3 with DeepSpeed's own op (JIT-built), no checkpointing.
 
 DeepCompile variants run ``--dc-steps`` steps (default 20) and report the time from
@@ -28,9 +29,10 @@ steps after the re-plan. Eager variants time ``--steps`` steps after ``--warmup`
 
 Throughput: tokens/s = micro-batch x seq x world size / step time. Model FLOPs per step (what the
 model needs, not what the run executed: checkpointing's recompute is not counted) =
-tokens x (4 x N + 8 x layers x seq x hidden) for a frozen base of N params (forward 2N, backward
-2N for the input gradients; attention scores and values 4 x layers x seq x hidden each way); LoRA's
-own weight gradients are negligible. The share of peak uses the GPU's dense bf16 peak (H100/H200:
+tokens x (4 x N + 12 x layers x seq x hidden) for a frozen base of N matmul params (the input
+embedding, a lookup, excluded): forward 2N and backward 2N for the input gradients; attention
+scores and values 4 x layers x seq x hidden forward, 8 x ... backward. LoRA's own weight gradients
+are negligible. The share of peak uses the GPU's dense bf16 peak (H100/H200:
 989 TFLOP/s).
 
 Each run writes one JSON file (setup, versions, step-time median/min/max, peak memory, tokens/s,
@@ -156,9 +158,11 @@ def _build_model(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
     return model
 
 
-def model_flops_per_step(n_params: int, layers: int, hidden: int, seq: int, tokens: int) -> float:
-    """Model FLOPs of one LoRA training step on a frozen base (see the module docstring)."""
-    return float(tokens) * (4.0 * n_params + 8.0 * layers * seq * hidden)
+def model_flops_per_step(n_matmul_params: int, layers: int, hidden: int, seq: int,
+                         tokens: int) -> float:
+    """Model FLOPs of one LoRA training step on a frozen base (see the module docstring):
+    ``n_matmul_params`` excludes the input embedding (a lookup, not a matmul)."""
+    return float(tokens) * (4.0 * n_matmul_params + 12.0 * layers * seq * hidden)
 
 
 def _peak_tflops(device_name: str) -> Optional[float]:
@@ -325,6 +329,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         ids = torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g).to(device)
         return forward_backward(ids).item()  # .item() also waits for the device
 
+    if deepcompile and args.dc_steps < 7:
+        raise SystemExit("--dc-steps must be >= 7: DeepCompile re-plans at its 6th step and the "
+                         "steps after it are the timed ones")
     total = args.dc_steps if deepcompile else args.warmup + args.steps
     first_timed = 6 if deepcompile else args.warmup  # DeepCompile re-plans at its 6th step
     t_start = time.perf_counter()
@@ -362,7 +369,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     median_s = record["step_ms"]["median"] / 1e3
     record["tokens_per_s"] = tokens / median_s
     cfg = SIZES[args.size]
-    flops = model_flops_per_step(n_params, cfg["num_hidden_layers"], cfg["hidden_size"],
+    n_matmul = n_params - cfg["vocab_size"] * cfg["hidden_size"]  # minus the input embedding
+    flops = model_flops_per_step(n_matmul, cfg["num_hidden_layers"], cfg["hidden_size"],
                                  args.seq, tokens // world_size)
     record["tflops"] = flops / median_s / 1e12  # per GPU
     peak = _peak_tflops(device_name)
@@ -388,6 +396,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return record
 
 
+def _release(version: str) -> tuple:
+    """(major, minor, patch) of a version such as ``0.19.9+abc`` or ``0.20.0rc1``."""
+    import re
+
+    parts = [int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
 def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     """Combines per-variant records into ``{"bench": "lora_llama", "runs": {"<variant>@<deepspeed>":
     ...}}`` (existing runs in ``output`` are kept unless replaced), and gives each run its ratios
@@ -403,8 +419,9 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
         key = f"{record['variant']}@{record['versions']['deepspeed']}"
         merged["runs"][key] = record
     ok = {k: r for k, r in merged["runs"].items() if "error" not in r and "step_ms" in r}
-    newest = max((k.split("@")[1] for k in ok), default=None,
-                 key=lambda v: tuple(int(x) for x in v.split(".")[:3]))
+    for record in merged["runs"].values():
+        record.pop("vs", None)  # recomputed below from this file's runs only
+    newest = max((k.split("@")[1] for k in ok), default=None, key=_release)
     for base in ("upstream", "none"):
         ref = ok.get(f"{base}@{newest}")
         for record in ok.values():

@@ -231,8 +231,11 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
         share = r.get("peak_share")
         speedup = _lora_speedup(r)
         first_step = r.get("compile_to_first_step_s") if setup.get("deepcompile") else None
+        ratio = _ratio(r)  # step time / the baseline's: its inverse is the speedup
+        fallback = (f"{1 / ratio:.2f}x vs `{result.get('baseline')}`"
+                    if isinstance(ratio, (int, float)) and ratio > 0 else "-")
         rows.append(head + [_spread(r.get("step_ms"), "{:.1f}"),
-                            speedup if speedup is not None else _num(_ratio(r), "{:.2f}", "x"),
+                            speedup if speedup is not None else fallback,
                             _num(r.get("tokens_per_s"), "{:,.0f}"),
                             _num(r.get("peak_gib"), "{:.2f}"), _num(r.get("tflops"), "{:.1f}"),
                             _num(None if share is None else 100 * share, "{:.1f}", "%"),

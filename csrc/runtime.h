@@ -35,7 +35,8 @@ struct RuntimeConfig {
     bool sync_after_allgather = false;
     bool offload_activation_pin_memory = true;
     // Bytes that set_persistent (DeepCompile's selective gather) may keep gathered; unset = no
-    // limit (DeepSpeed's behaviour). Params registered persistent do not count.
+    // limit (DeepSpeed's behaviour). Params registered persistent do not count (DeepCompile
+    // registers none). Must be equal on every rank: an accepted param is gathered at once.
     std::optional<int64_t> persistence_budget_bytes;
 };
 

@@ -326,7 +326,8 @@ def test_reset_and_cleanup_lifecycle(m) -> None:
 def test_persistence_budget_caps_set_persistent(m, monkeypatch: pytest.MonkeyPatch) -> None:
     # DeepCompile's selective gather marks params persistent while it estimates free memory;
     # with a budget only what fits stays gathered (here: one 1 MiB fp32 param of two).
-    monkeypatch.delenv(ds_z3native.PERSISTENCE_BUDGET_ENV, raising=False)
+    # setenv first: monkeypatch then restores the variable whatever the API below sets.
+    monkeypatch.setenv(ds_z3native.PERSISTENCE_BUDGET_ENV, "")
     ds_z3native.set_persistence_budget(1.5)
     assert os.environ[ds_z3native.PERSISTENCE_BUDGET_ENV] == "1.5"
     m.init(local_group(), compile_config(), 4096)
@@ -343,7 +344,7 @@ def test_persistence_budget_caps_set_persistent(m, monkeypatch: pytest.MonkeyPat
     m.set_persistent(102)
     assert m.param_state(102)["persistent"]
     assert m.persistence_info()["budget_bytes"] is None
-    for bad in (-1, float("nan"), "2", True):
+    for bad in (-1, float("nan"), "2", True, 1e12):
         with pytest.raises(ValueError, match="set_persistence_budget"):
             ds_z3native.set_persistence_budget(bad)
 

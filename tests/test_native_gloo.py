@@ -126,7 +126,8 @@ def test_c10d_waits_release_the_gil() -> None:
     """
     try:
         tests_dir = os.path.dirname(os.path.abspath(__file__))
-        proc = run_python(code, timeout=60, env={"PYTHONPATH": tests_dir})
+        path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+        proc = run_python(code, timeout=60, env={"PYTHONPATH": path})
     except subprocess.TimeoutExpired:
         pytest.fail("the gather under the Python dispatcher hung (GIL held while waiting)")
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -128,8 +128,9 @@ public:
         --depth_;
         ncclResult_t r = ncclGroupEnd();
         // The group's collectives are on their stream now: the caching allocator orders any
-        // reuse of these buffers (allocated on that stream) after them.
-        if (depth_ == 0) { pending_.clear(); }
+        // reuse of these buffers (allocated on that stream) after them. After a failure some may
+        // still be queued: keep the buffers (a leak) rather than hand them out again.
+        if (depth_ == 0 && r == ncclSuccess) { pending_.clear(); }
         DSZ_CHECK(r == ncclSuccess, "group_end", "ncclGroupEnd() failed: ", ncclGetErrorString(r),
                   " (ncclResult_t ", static_cast<int>(r), ")");
     }

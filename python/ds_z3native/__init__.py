@@ -56,7 +56,10 @@ def set_persistence_budget(mib: Optional[float]) -> None:
     DeepSpeed's behaviour). After profiling, DeepCompile marks params persistent
     (``set_persistent``) while it estimates free GPU memory, trading memory for fewer gathers;
     with a cap, ds_z3native keeps only what fits and the others are gathered and released at
-    each use as before. Params persistent by DeepSpeed's own threshold are not counted.
+    each use as before. DeepCompile registers every param non-persistent (its ``init_z3`` clears
+    DeepSpeed's own persistence threshold), so with a cap of 0 nothing stays gathered between
+    uses, small norm weights included. Use the same cap on every rank: a param kept persistent is
+    gathered at once, a collective that every rank must join.
 
     Applies to the live runtime, if any, and to every later ``init()`` in this process and its
     children (through ``DS_Z3NATIVE_PERSISTENCE_BUDGET_MB``, which can also be set directly)."""
@@ -65,8 +68,9 @@ def set_persistence_budget(mib: Optional[float]) -> None:
         nbytes = None
     else:
         if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not math.isfinite(mib) \
-                or mib < 0:
-            raise ValueError(f"set_persistence_budget: expected MiB >= 0 or None, got {mib!r}")
+                or mib < 0 or mib >= 1e12:
+            raise ValueError(f"set_persistence_budget: expected MiB in [0, 1e12) or None, got "
+                             f"{mib!r}")
         os.environ[PERSISTENCE_BUDGET_ENV] = repr(float(mib))
         nbytes = int(mib * 1024 * 1024)
     m = load()

@@ -15,8 +15,9 @@ its first step with ``RuntimeError: 'weight' must be 2-D`` from the input embedd
   own getter still runs after ours) whose getter, traced by Dynamo, is the plain lookup
   (``torch.compiler.is_compiling()`` is constant there), and read eagerly inside the engine's
   forward or backward gathers a partitioned frozen param (``param.all_gather``), held until the
-  end of that step's backward (a frozen Linear's backward needs its weight for the input
-  gradient), or until the next forward when no backward follows. A *trainable* param read
+  end of the engine backward of every grad-enabled forward run since (a frozen Linear's backward
+  needs its weight for the input gradient; ``retain_graph=True`` keeps them), or until the end of a
+  no-grad forward when no backward is pending. A *trainable* param read
   eagerly with grad enabled raises :class:`EagerTrainableParam`: its gradient would bypass
   DeepCompile's ``reduce_grad`` (DeepSpeed 0.19.8's own fallback lets it through and the optimizer
   step then fails on a full-size gradient), so we refuse instead.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from packaging.version import Version
@@ -41,6 +43,7 @@ __all__ = ["EAGER_GATHER", "PATCHES", "EagerFallbackGather", "EagerTrainablePara
 log = logging.getLogger(__name__)
 
 _ATTR = "_ds_z3native_eager_gather"
+_ENGINES: "weakref.WeakSet[Any]" = weakref.WeakSet()  # engines given an eager gather
 
 
 class EagerTrainableParam(RuntimeError):
@@ -88,6 +91,12 @@ def _eager_params_class() -> type:
             self._dsz_owner = owner
             self._dsz_name = name
 
+        def __reduce__(self) -> Any:
+            # A copy (deepcopy, torch.save of the module) is DeepSpeed's plain parameter dict:
+            # the eager-gather owner belongs to this engine only.
+            _, _, *rest = OrderedDict.__reduce__(self)
+            return (ZeROOrderedDict, (self._parent_module,)) + tuple(rest)
+
         def __getitem__(self, key: str) -> Any:
             param = OrderedDict.__getitem__(self, key)
             if param is None or torch.compiler.is_compiling():
@@ -114,6 +123,7 @@ class EagerFallbackGather:
         self._held: Dict[int, Any] = {}
         self._modules: List[Tuple[Any, Any]] = []  # (module, the dict it had)
         self.active = False  # inside the engine's forward or backward
+        self.pending_backwards = 0  # grad-enabled forwards whose engine.backward has not run
         self.gathered_total = 0  # params gathered eagerly since the engine compiled
         self.eager_params: List[str] = []  # names, first time each was gathered
         for mod_name, module in engine.module.named_modules():
@@ -157,10 +167,20 @@ class EagerFallbackGather:
 
     def remove(self) -> None:
         """Give the modules plain parameter dicts back and release what is held."""
+        from collections import OrderedDict
+
+        from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+
+        cls = _eager_params_class()
         for module, own in self._modules:
-            if isinstance(module.__dict__.get("_parameters"), _eager_params_class()):
-                module._parameters = own.__class__(module, module._parameters) \
-                    if hasattr(own, "_parent_module") else dict(module._parameters)
+            current = module.__dict__.get("_parameters")
+            if isinstance(current, cls) and current._dsz_owner is self:
+                # The kind of dict it had, with the params it has now.
+                items = list(OrderedDict.items(current))
+                if isinstance(own, ZeROOrderedDict):
+                    module._parameters = ZeROOrderedDict(module, items)
+                else:
+                    module._parameters = type(own)(items)
         self._modules.clear()
         self.release()
 
@@ -176,6 +196,7 @@ def _compiling_with_eager_gather(compile_fn: Callable) -> Callable:
         if (eager_gather_of(self) is None and self.is_deepcompile_active()
                 and self.zero_optimization_partition_weights()):
             setattr(self, _ATTR, EagerFallbackGather(self))
+            _ENGINES.add(self)
         return result
 
     return compile_with_eager_gather
@@ -188,13 +209,18 @@ def _forward_releasing(forward: Callable) -> Callable:
         gather = eager_gather_of(self)
         if gather is None:
             return forward(self, *args, **kwargs)
-        gather.release()  # leftovers of a forward that had no backward
+        if gather.pending_backwards == 0:
+            gather.release()  # leftovers of a no-grad forward
         gather.active = True
         try:
             out = forward(self, *args, **kwargs)
         finally:
             gather.active = False
-        if not torch.is_grad_enabled():
+        if torch.is_grad_enabled():
+            # Its autograd graph may have saved eagerly gathered weights: they stay gathered
+            # until the engine's backward of this forward.
+            gather.pending_backwards += 1
+        elif gather.pending_backwards == 0:
             gather.release()
         return out
 
@@ -206,12 +232,16 @@ def _backward_releasing(backward: Callable) -> Callable:
         gather = eager_gather_of(self)
         if gather is None:
             return backward(self, *args, **kwargs)
+        retain_graph = bool(kwargs.get("retain_graph", args[1] if len(args) > 1 else False))
         gather.active = True  # a checkpoint recompute of eager code reads params again
         try:
             return backward(self, *args, **kwargs)
         finally:
             gather.active = False
-            gather.release()
+            if not retain_graph:  # the graph may be run again: keep what it saved
+                gather.pending_backwards = max(0, gather.pending_backwards - 1)
+                if gather.pending_backwards == 0:
+                    gather.release()
 
     return backward_releasing_eager_gathers
 
@@ -227,6 +257,12 @@ def patch_eager_gather() -> Undo:
     def undo() -> None:
         while undos:
             undos.pop()()
+        for engine in list(_ENGINES):  # uninstall(): the engines' modules get their dicts back
+            gather = eager_gather_of(engine)
+            if gather is not None:
+                gather.remove()
+                delattr(engine, _ATTR)
+        _ENGINES.clear()
 
     return undo
 

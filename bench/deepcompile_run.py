@@ -142,7 +142,7 @@ def _on_cpu() -> bool:
     return not torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR") == "cpu"
 
 
-def _cpu_deepspeed() -> None:
+def cpu_deepspeed() -> None:
     """DeepSpeed on the CPU accelerator: no JIT build of its shared-memory comm op, and a device
     string DeepCompile's profiler can parse (the CPU accelerator answers a bare index).
     DeepSpeed >= 0.19.3's profiler then falls back to default estimates; 0.19.0 - 0.19.2's needs
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
 
     cpu = _on_cpu()
     if cpu:
-        _cpu_deepspeed()
+        cpu_deepspeed()
     # fp32 comparisons must not run matmuls in TF32 on one side only.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

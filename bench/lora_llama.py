@@ -60,6 +60,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from packaging.version import Version
+
 log = logging.getLogger("bench.lora_llama")
 
 VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-ckpt", "dc-ckpt-lowmem",
@@ -240,14 +242,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
-        import deepspeed.ops
-        from deepspeed.accelerator import get_accelerator
+        try:  # run as bench/lora_llama.py, its folder is on the path; imported as bench.lora_llama
+            from bench.deepcompile_run import cpu_deepspeed
+        except ImportError:
+            from deepcompile_run import cpu_deepspeed
 
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        # gloo, and no JIT build of DeepSpeed's optional shared-memory comm kernel
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        # DeepCompile's profiler parses the accelerator's device string (a bare index on CPU)
-        type(get_accelerator()).current_device = lambda self: "cpu"
+        cpu_deepspeed()
         device = torch.device("cpu")
     dtype_name = args.dtype or ("bf16" if on_gpu else "fp32")
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
@@ -396,14 +396,6 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return record
 
 
-def _release(version: str) -> tuple:
-    """(major, minor, patch) of a version such as ``0.19.9+abc`` or ``0.20.0rc1``."""
-    import re
-
-    parts = [int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3]]
-    return tuple(parts + [0] * (3 - len(parts)))
-
-
 def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     """Combines per-variant records into ``{"bench": "lora_llama", "runs": {"<variant>@<deepspeed>":
     ...}}`` (existing runs in ``output`` are kept unless replaced), and gives each run its ratios
@@ -421,7 +413,8 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     ok = {k: r for k, r in merged["runs"].items() if "error" not in r and "step_ms" in r}
     for record in merged["runs"].values():
         record.pop("vs", None)  # recomputed below from this file's runs only
-    newest = max((k.split("@")[1] for k in ok), default=None, key=_release)
+    newest = max((k.split("@")[1] for k in ok), default=None,
+                 key=lambda v: Version(v).release)
     for base in ("upstream", "none"):
         ref = ok.get(f"{base}@{newest}")
         for record in ok.values():

@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
+from packaging.version import Version
+
 log = logging.getLogger("bench.suite")
 
 __all__ = ["SCHEMA", "RESULTS_DIR", "SMOKE_DIR", "GIB", "Command", "BenchContext", "Benchmark",
@@ -401,7 +403,7 @@ def _first_step_smoke(ctx: BenchContext) -> Dict[str, Any]:
     CUDA events only, and the runner then trains its model eagerly (ZeRO-0) to show it works."""
     ds = versions().get("deepspeed")
     out = ctx.work_dir / "first_step_smoke.json"
-    deepcompile = bool(ds) and _release(ds) >= (0, 19, 3)
+    deepcompile = bool(ds) and Version(ds).release >= (0, 19, 3)
     args = ["--mode", "deepcompile", "--native", "ours"] if deepcompile else ["--mode", "eager"]
     cmd = Command([sys.executable, "bench/deepcompile_run.py", *args, "--steps", "2",
                    "--json", str(out)],
@@ -504,7 +506,7 @@ def _lora_smoke(ctx: BenchContext) -> Dict[str, Any]:
     picked = ["ours", "none"]
     ds = versions().get("deepspeed")
     # DeepCompile runs on the CPU from DeepSpeed 0.19.3 (its profiler falls back without CUDA).
-    if ds and _release(ds) >= (0, 19, 3):
+    if ds and Version(ds).release >= (0, 19, 3):
         picked.append("dc-ckpt")
     cmds = []
     for v in picked:
@@ -518,12 +520,6 @@ def _lora_smoke(ctx: BenchContext) -> Dict[str, Any]:
                             env={"DS_ACCELERATOR": "cpu"}, output=out))
     run_commands(cmds, ctx)
     return _lora_merge(cmds, ctx, script)
-
-
-def _release(version: str) -> tuple:
-    """(major, minor, patch) of a version string such as ``0.19.8+abc``."""
-    parts = re.findall(r"\d+", version.split("+")[0])[:3]
-    return tuple(int(p) for p in parts) + (0,) * (3 - len(parts))
 
 
 register(Benchmark(

@@ -26,6 +26,7 @@ and, with ds_z3native, what its DeepCompile patches did (hooks removed, eager-fa
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import socket
@@ -327,8 +328,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--fresh-extension-cache", action="store_true",
                         help="TORCH_EXTENSIONS_DIR = a new temporary directory (forces a JIT build)")
     parser.add_argument("--json", default=None, help="write the result here (default: stdout)")
+    parser.add_argument("--watchdog-s", type=float, default=None,
+                        help="past this many seconds, print every thread's stack to stderr and "
+                             "exit (a hang becomes a diagnosable failure)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.watchdog_s:
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
     result: Dict[str, Any] = {"args": vars(args)}
     try:
         run(args, result)

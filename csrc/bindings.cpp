@@ -33,6 +33,16 @@ using dsz::current_runtime::get;
 
 namespace {
 
+// Functions that take the runtime's lock run without the GIL (see python_gil.h).
+#define NO_GIL py::call_guard<py::gil_scoped_release>()
+
+template <typename Fn>
+auto withoutGil(Fn&& fn)
+{
+    py::gil_scoped_release no_gil;
+    return fn();
+}
+
 // DeepSpeed's CompileConfig (a pydantic model). Attributes missing in older releases default.
 template <typename T>
 T configValue(const py::object& config, const char* name, T fallback)
@@ -84,7 +94,8 @@ void init(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const py::object& co
 
 py::dict persistenceInfo()
 {
-    const Runtime::PersistenceUse u = get("persistence_info").persistenceUse();
+    const Runtime::PersistenceUse u =
+        withoutGil([] { return get("persistence_info").persistenceUse(); });
     py::dict d;
     d["budget_bytes"] = u.budget_bytes ? py::object(py::int_(*u.budget_bytes)) : py::object(py::none());
     d["selected_bytes"] = u.selected_bytes;
@@ -122,7 +133,7 @@ py::dict buildInfo()
 
 py::dict commStats()
 {
-    const dsz::CommStats s = get("comm_stats").stats();
+    const dsz::CommStats s = withoutGil([] { return get("comm_stats").stats(); });
     py::dict d;
     d["allgather_calls"] = s.allgather_calls;
     d["allgather_bytes"] = s.allgather_bytes;
@@ -136,7 +147,8 @@ py::dict commStats()
 
 py::dict paramState(int64_t ds_id)
 {
-    const Runtime::ParamState s = get("param_state").paramState(ds_id);
+    const Runtime::ParamState s =
+        withoutGil([&] { return get("param_state").paramState(ds_id); });
     py::dict d;
     d["frozen"] = s.frozen;
     d["persistent"] = s.persistent;
@@ -158,8 +170,8 @@ py::dict runtimeInfo()
     d["world_size"] = rt.worldSize();
     d["collectives"] = std::string(rt.commName());
     d["device"] = std::string(rt.deviceName());
-    d["graphs"] = rt.graphIds();
-    d["pending_gradients"] = rt.pendingGradients();
+    d["graphs"] = withoutGil([&] { return rt.graphIds(); });
+    d["pending_gradients"] = withoutGil([&] { return rt.pendingGradients(); });
     return d;
 }
 
@@ -187,13 +199,13 @@ PYBIND11_MODULE(_C, m)
                                                        expected_grad_dtype);
           },
           py::arg("ds_id"), py::arg("ds_shape"), py::arg("ds_tensor"), py::arg("grad_buffer"),
-          py::arg("persistent"), py::arg("expected_grad_dtype") = py::none(),
+          py::arg("persistent"), py::arg("expected_grad_dtype") = py::none(), NO_GIL,
           "Register a ZeRO-3 param. An empty or None grad_buffer registers it frozen.");
     m.def("register_graph_z3",
           [](int64_t graph_id, const std::vector<int64_t>& ds_ids) {
               get("register_graph_z3").registerGraph(graph_id, ds_ids, dsz::ZeroStage::Z3);
           },
-          py::arg("graph_id"), py::arg("ds_ids"));
+          py::arg("graph_id"), py::arg("ds_ids"), NO_GIL);
     m.def("register_param",
           [](int64_t ds_id, const std::vector<int64_t>& ds_shape, const at::Tensor& param,
              const std::optional<at::Tensor>& grad_buffer, int64_t offset) {
@@ -201,46 +213,46 @@ PYBIND11_MODULE(_C, m)
                                                   offset);
           },
           py::arg("ds_id"), py::arg("ds_shape"), py::arg("param"), py::arg("grad_buffer"),
-          py::arg("offset"), "Register a ZeRO-1/2 param.");
+          py::arg("offset"), NO_GIL, "Register a ZeRO-1/2 param.");
     m.def("update_param_grad_buffer",
           [](int64_t ds_id, const std::optional<at::Tensor>& grad_buffer, int64_t offset) {
               get("update_param_grad_buffer").updateParamGradBuffer(ds_id, orUndefined(grad_buffer),
                                                                     offset);
           },
-          py::arg("ds_id"), py::arg("grad_buffer"), py::arg("offset"));
+          py::arg("ds_id"), py::arg("grad_buffer"), py::arg("offset"), NO_GIL);
     m.def("register_graph_z1",
           [](int64_t graph_id, const std::vector<int64_t>& ds_ids) {
               get("register_graph_z1").registerGraph(graph_id, ds_ids, dsz::ZeroStage::Z1);
           },
-          py::arg("graph_id"), py::arg("ds_ids"));
+          py::arg("graph_id"), py::arg("ds_ids"), NO_GIL);
     m.def("register_graph_z2",
           [](int64_t graph_id, const std::vector<int64_t>& ds_ids) {
               get("register_graph_z2").registerGraph(graph_id, ds_ids, dsz::ZeroStage::Z2);
           },
-          py::arg("graph_id"), py::arg("ds_ids"));
+          py::arg("graph_id"), py::arg("ds_ids"), NO_GIL);
     m.def("set_persistent", [](int64_t ds_id) { get("set_persistent").setPersistent(ds_id); },
-          py::arg("ds_id"), py::call_guard<py::gil_scoped_release>(),
+          py::arg("ds_id"), NO_GIL,
           "Keep a param gathered (gathers it now if needed).");
-    m.def("start_forward", [] { get("start_forward").startForward(); });
-    m.def("end_forward", [] { get("end_forward").endForward(); });
+    m.def("start_forward", [] { get("start_forward").startForward(); }, NO_GIL);
+    m.def("end_forward", [] { get("end_forward").endForward(); }, NO_GIL);
     m.def("start_backward", [](bool update) { get("start_backward").startBackward(update); },
-          py::arg("update"));
+          py::arg("update"), NO_GIL);
     m.def("enable_profiling", [](bool enable) { get("enable_profiling").enableProfiling(enable); },
-          py::arg("enable"));
-    m.def("is_profiling", [] { return get("is_profiling").isProfiling(); });
+          py::arg("enable"), NO_GIL);
+    m.def("is_profiling", [] { return get("is_profiling").isProfiling(); }, NO_GIL);
     m.def("invalidate_gathered_param",
           [](int64_t ds_id) { get("invalidate_gathered_param").invalidateGatheredParam(ds_id); },
-          py::arg("ds_id"));
+          py::arg("ds_id"), NO_GIL);
     m.def("clear_all_gathered_params",
-          [] { get("clear_all_gathered_params").clearAllGatheredParams(); });
+          [] { get("clear_all_gathered_params").clearAllGatheredParams(); }, NO_GIL);
 
     // --- ours ---
     m.def("set_param_frozen",
           [](int64_t ds_id, bool frozen) { get("set_param_frozen").setParamFrozen(ds_id, frozen); },
-          py::arg("ds_id"), py::arg("frozen"),
+          py::arg("ds_id"), py::arg("frozen"), NO_GIL,
           "Mark a param frozen (never reduced; a gradient for it is an error) or trainable.");
     m.def("is_param_frozen", [](int64_t ds_id) { return get("is_param_frozen").isParamFrozen(ds_id); },
-          py::arg("ds_id"));
+          py::arg("ds_id"), NO_GIL);
     m.def("current_graph_task_id", [] { return torch::autograd::get_current_graph_task_id(); },
           "The autograd engine's current graph task id; -1 outside backward.");
     m.def("build_info", &buildInfo, "How this extension was built.");
@@ -248,14 +260,14 @@ PYBIND11_MODULE(_C, m)
     m.def("runtime_info", &runtimeInfo, "Rank, world size and backends of the live runtime.");
     m.def("set_persistence_budget",
           [](std::optional<int64_t> bytes) { get("set_persistence_budget").setPersistenceBudget(bytes); },
-          py::arg("bytes"),
+          py::arg("bytes"), NO_GIL,
           "Bytes DeepCompile's selective gather (set_persistent) may keep gathered in the live "
           "runtime; None = no limit. init() takes it from DS_Z3NATIVE_PERSISTENCE_BUDGET_MB.");
     m.def("persistence_info", &persistenceInfo,
           "The set_persistent budget and what it kept: budget_bytes, selected_bytes, selected, "
           "declined.");
     m.def("comm_stats", &commStats, "Collectives issued since init() or reset_comm_stats().");
-    m.def("reset_comm_stats", [] { get("reset_comm_stats").resetStats(); });
+    m.def("reset_comm_stats", [] { get("reset_comm_stats").resetStats(); }, NO_GIL);
     m.def("param_state", &paramState, py::arg("ds_id"), "One param's flags and sizes.");
 
     // The runtime may hold a process group: release it while the interpreter is still alive.

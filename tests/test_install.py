@@ -78,6 +78,7 @@ def test_install_hands_our_module_to_every_loader_site(before: Dict[str, Any]) -
          "deepcompile-z3-eager-gather"]
     assert [p for p in report.patches if p.startswith("deepcompile-z3")] == expected
     assert "deepcompile-hf-checkpoint-graph-breaks" in report.patches
+    assert "gloo-collectives-outside-python-dispatch" in report.patches
 
 
 def test_init_z3_is_patched_where_deepspeed_holds_it_and_restored(before: Dict[str, Any]) -> None:
@@ -252,7 +253,7 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
     assert [p.name for p in registry.all_patches()] == \
         ["deepcompile-z3-frozen-grad-buffer", "deepcompile-z3-declare-frozen",
          "deepcompile-z3-unfrozen-guard", "deepcompile-hf-checkpoint-graph-breaks",
-         "deepcompile-z3-eager-gather"]
+         "deepcompile-z3-eager-gather", "gloo-collectives-outside-python-dispatch"]
     _write_module(tmp_path, "dsz_test_patches_broken", "raise ImportError('half-written module')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "OPTIONAL_MODULES", ("dsz_test_patches_broken",))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from typing import Any, Dict
 
 import pytest
 import torch
@@ -132,3 +133,84 @@ def test_c10d_waits_release_the_gil() -> None:
         pytest.fail("the gather under the Python dispatcher hung (GIL held while waiting)")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "gathered [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]" in proc.stdout
+
+
+def test_c10d_collectives_are_issued_outside_python_dispatch() -> None:
+    # Under the Python dispatcher or a dispatch mode, a c10d op reaches gloo's queue lock from a
+    # Python handler holding the GIL, and gloo's worker takes that lock, then the GIL: a deadlock
+    # (seen in CPU DeepCompile runs). Our op issues its collectives with both switched off: a
+    # recording mode sees none of them (it saw c10d._allgather_base_ before). No control runs a
+    # Python collective under the mode here: that path is the deadlock.
+    code = """
+    import torch, torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from helpers.dist import free_port
+    from helpers.native_rt import live_runtime
+
+    class Recording(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    with live_runtime(group=dist.group.WORLD) as m:
+        m.register_z3_param(1, [8], torch.arange(8.0), torch.Tensor(), False)
+        ours = Recording()
+        with torch._C._EnablePythonDispatcher(), ours:
+            m.set_persistent(1)  # gathers ds_id 1 now
+        print("ours", sorted({op for op in ours.ops if op.startswith("c10d.")}))
+        print("gathered", m.param_state(1)["valid"])
+    """
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    proc = run_python(code, timeout=120, env={"PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ours []" in proc.stdout, proc.stdout
+    assert "gathered True" in proc.stdout, proc.stdout
+
+
+def _lock_taken_while_a_gather_waits(rank: int, world_size: int) -> Dict[str, Any]:
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from helpers.native_rt import live_runtime
+
+    with live_runtime(group=dist.group.WORLD) as m:
+        m.register_z3_param(1, [8], torch.arange(4.0) + 4 * rank, torch.Tensor(), False)
+        m.register_graph_z3(0, [1])
+        dist.barrier()
+        if rank == 1:
+            time.sleep(3)  # rank 0's gather waits for this one
+            return {"gathered": torch.ops.dc.allgather_param(torch.empty(0), 0, 1).tolist()}
+        out: Dict[str, Any] = {}
+
+        def gather() -> None:
+            # Called through the Python dispatcher (as under torch.compile): the kernel is entered
+            # holding the GIL, takes the runtime's lock and waits for rank 1 without the GIL.
+            with torch._C._EnablePythonDispatcher():
+                out["gathered"] = torch.ops.dc.allgather_param(torch.empty(0), 0, 1).tolist()
+
+        worker = threading.Thread(target=gather, daemon=True)
+        worker.start()
+        time.sleep(1)
+        # Takes the runtime's lock while the gather holds it. Holding the GIL here, the gather
+        # could never take the GIL back: both threads would wait forever.
+        out["frozen"] = m.is_param_frozen(1)
+        worker.join(timeout=30)
+        out["worker_done"] = not worker.is_alive()
+        return out
+
+
+def test_runtime_lock_is_never_awaited_holding_the_gil() -> None:
+    from helpers.dist import run_ranks
+
+    r0, r1 = run_ranks(_lock_taken_while_a_gather_waits, 2, timeout=60)
+    assert r0["worker_done"] and r0["frozen"] is True  # registered without a grad buffer
+    assert r0["gathered"] == r1["gathered"] == [float(i) for i in range(8)]

@@ -1,12 +1,14 @@
 #include "comm/c10d_collectives.h"
 
-#include <pybind11/pybind11.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/PythonDispatcherTLS.h>
 
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/check.h"
+#include "python_gil.h"
 
 // _allgather_base/_reduce_scatter_base are deprecated aliases in torch >= 2.13 but the only
 // names shared with the older releases we build against.
@@ -15,17 +17,27 @@
 namespace dsz {
 namespace {
 
-// Waits on c10d work without the GIL: the backend's worker thread may need it (gloo's allgather
-// views its tensors, which under an active Python dispatcher, as while torch.compile profiles a
-// graph, calls into Python), and would wait forever on a caller blocked here holding it.
+// Waits on c10d work without the GIL (see python_gil.h).
 void waitWithoutGil(const c10::intrusive_ptr<c10d::Work>& work)
 {
-    if (Py_IsInitialized() && PyGILState_Check()) {
-        pybind11::gil_scoped_release no_gil;
-        work->wait();
-    } else {
-        work->wait();
-    }
+    GilReleasedIfHeld no_gil;
+    work->wait();
+}
+
+// Issues a collective with Python out of its way. Under torch.compile's Python dispatcher or a
+// dispatch mode the c10d op would be dispatched through Python, so gloo's queue lock would be
+// taken holding the GIL, and the worker inherits the dispatcher and needs the GIL to run the
+// work; meanwhile gloo's worker holds that queue lock while it drops a finished work, whose
+// Python-owned tensor needs the GIL: a deadlock. Our tensors are real, so neither the dispatcher
+// nor the modes change what the collective does.
+template <typename Issue>
+c10::intrusive_ptr<c10d::Work> issueOutsidePython(Issue&& issue)
+{
+    c10::impl::DisablePythonDispatcher no_python_dispatcher;
+    c10::impl::ExcludeDispatchKeyGuard no_modes(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+    GilReleasedIfHeld no_gil;
+    return issue();
 }
 
 class C10dCollectives final : public Collectives {
@@ -46,7 +58,8 @@ public:
                   " at world size ", worldSize());
         at::Tensor in = shard.contiguous();
         at::Tensor o = out;
-        submit(pg_->_allgather_base(o, in), "allgather", ds_id, {in, o});
+        submit(issueOutsidePython([&] { return pg_->_allgather_base(o, in); }), "allgather", ds_id,
+               {in, o});
     }
 
     void reduceScatterSum(const at::Tensor& in, const at::Tensor& out, int64_t ds_id) override
@@ -58,7 +71,8 @@ public:
         at::Tensor o = out;
         c10d::ReduceScatterOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
-        submit(pg_->_reduce_scatter_base(o, i, opts), "reduce_scatter", ds_id, {i, o});
+        submit(issueOutsidePython([&] { return pg_->_reduce_scatter_base(o, i, opts); }),
+               "reduce_scatter", ds_id, {i, o});
     }
 
     void allReduceSum(const at::Tensor& buf, int64_t ds_id) override
@@ -66,7 +80,7 @@ public:
         std::vector<at::Tensor> v{buf};
         c10d::AllreduceOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
-        submit(pg_->allreduce(v, opts), "allreduce", ds_id, {buf});
+        submit(issueOutsidePython([&] { return pg_->allreduce(v, opts); }), "allreduce", ds_id, {buf});
     }
 
     void groupStart() override { ++depth_; }

@@ -17,6 +17,9 @@ __all__ = ["RUNNER", "start", "collect", "run_alone", "run_together"]
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "bench" / "deepcompile_run.py"
 TIMEOUT_S = 900
+# A run still going this long prints every thread's stack into its log and exits: the failure
+# shows where it hung (a CPU run takes about a minute on two cores).
+WATCHDOG_S = 600
 
 
 def start(args: Iterable[str], tmp: Path, name: str, steps: int, fresh_caches: bool = False,
@@ -26,7 +29,8 @@ def start(args: Iterable[str], tmp: Path, name: str, steps: int, fresh_caches: b
     run_env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "DS_Z3NATIVE")}
     run_env["PYTHONUNBUFFERED"] = "1"
     run_env.update(env or {})
-    cmd = [sys.executable, str(RUNNER), *args, "--steps", str(steps), "--json", str(out)]
+    cmd = [sys.executable, str(RUNNER), *args, "--steps", str(steps), "--json", str(out),
+           "--watchdog-s", str(WATCHDOG_S)]
     if fresh_caches:
         run_env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / f"{name}-inductor")
         cmd.append("--fresh-extension-cache")
@@ -41,7 +45,10 @@ def collect(proc: subprocess.Popen, out: Path, timeout: float = TIMEOUT_S) -> Di
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    log = out.with_suffix(".log").read_text()[-3000:]
+    text = out.with_suffix(".log").read_text()
+    # A watchdog dump: keep its first stack (the main thread's) whole.
+    dump = text.find("Timeout (0:")
+    log = text[dump:dump + 6000] if dump >= 0 and not out.exists() else text[-3000:]
     assert out.exists(), f"runner died (rc {proc.returncode}):\n{log}"
     result = json.loads(out.read_text())
     result["log_tail"] = log

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
@@ -70,9 +71,16 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, env: Optional[Dict[str,
         ctx = mp.start_processes(_rank_main, nprocs=world_size, join=False, start_method="spawn",
                                  args=(world_size, free_port(), fn, args, dict(env or {}), out_dir,
                                        init_pg))
+        deadline = time.monotonic() + timeout
         try:
-            while not ctx.join(timeout=timeout):
-                pass
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    for p in ctx.processes:
+                        if p.is_alive():
+                            p.kill()
+                    raise RankFailed(f"ranks did not finish within {timeout:.0f} s (hung)")
+        except RankFailed:
+            raise
         except mp.ProcessRaisedException as e:  # pragma: no cover - fn errors are pickled
             raise RankFailed(str(e)) from None
         except mp.ProcessExitedException as e:

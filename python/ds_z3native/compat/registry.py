@@ -5,6 +5,8 @@
   gradient checkpointing that non-reentrant checkpointing does not need.
 * ``deepcompile_eager``: after ``engine.compile()``, code outside the compiled graphs sees gathered
   params (or a clear error for trainable ones).
+* ``gloo_collectives``: DeepSpeed's collectives on CPU tensors under torch.compile's Python
+  dispatcher run without it (a gloo deadlock otherwise).
 * ``checkpoint_recompute`` (optional module ``ds_z3native.compat.checkpoint_recompute``, its
   ``PATCHES``): eager ZeRO-3 with activation checkpointing of frozen params. Imported lazily; its
   absence is tolerated, an error while importing it is not.
@@ -41,10 +43,10 @@ def _optional_patches(module_name: str) -> List[Patch]:
 
 def all_patches() -> List[Patch]:
     """Every known patch, whatever DeepSpeed version it targets."""
-    from . import deepcompile_eager, deepcompile_frozen, hf_graph_breaks
+    from . import deepcompile_eager, deepcompile_frozen, gloo_collectives, hf_graph_breaks
 
     patches = (list(deepcompile_frozen.PATCHES) + list(hf_graph_breaks.PATCHES)
-               + list(deepcompile_eager.PATCHES))
+               + list(deepcompile_eager.PATCHES) + list(gloo_collectives.PATCHES))
     for name in OPTIONAL_MODULES:
         patches += _optional_patches(name)
     names = [p.name for p in patches]

@@ -396,6 +396,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return record
 
 
+def _comparable_setup(record: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """What must match for two runs to be compared (None for a run that failed before it)."""
+    setup = record.get("setup")
+    if not setup:
+        return None
+    return {k: setup.get(k) for k in ("size", "world_size", "seq", "micro_batch", "device")}
+
+
 def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     """Combines per-variant records into ``{"bench": "lora_llama", "runs": {"<variant>@<deepspeed>":
     ...}}`` (existing runs in ``output`` are kept unless replaced), and gives each run its ratios
@@ -409,6 +417,13 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     for path in paths:
         record = json.loads(path.read_text())
         key = f"{record['variant']}@{record['versions']['deepspeed']}"
+        setup = _comparable_setup(record)
+        others = {k: _comparable_setup(r) for k, r in merged["runs"].items() if k != key}
+        clash = next(((k, s) for k, s in others.items() if s and setup and s != setup), None)
+        if clash is not None:
+            raise ValueError(f"{path}: run {key} has setup {setup}, but {output} holds run "
+                             f"{clash[0]} with {clash[1]}; one file compares one setup (write "
+                             f"this one to another --output)")
         merged["runs"][key] = record
     ok = {k: r for k, r in merged["runs"].items() if "error" not in r and "step_ms" in r}
     for record in merged["runs"].values():

@@ -214,3 +214,27 @@ def test_gpu_benchmarks_smoke_on_cpu(tmp_path: Path, name: str) -> None:
                        for k, v in ok.items())
         assert all(v["status"] == "not_available" for k, v in result["runs"].items()
                    if k.startswith("deepspeed-jit@"))
+
+
+def test_lora_merge_keeps_one_setup_per_file(tmp_path: Path) -> None:
+    from bench.lora_llama import merge
+
+    def record(variant: str, world_size: int, median: float) -> Path:
+        path = tmp_path / f"{variant}-ws{world_size}.json"
+        path.write_text(json.dumps({
+            "variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 4.0,
+            "step_ms": {"median": median, "min": median, "max": median},
+            "setup": {"size": "1b", "world_size": world_size, "seq": 1024, "micro_batch": 4,
+                      "device": "NVIDIA H200"}}))
+        return path
+
+    out = tmp_path / "lora.json"
+    merged = merge([record("upstream", 1, 1200.0), record("dc-ckpt", 1, 150.0)], out)
+    assert merged["runs"]["dc-ckpt@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(8.0)
+    with pytest.raises(ValueError, match=r"dc-ckpt@0\.19\.8 has setup .*'world_size': 2.*"
+                                         r"one file compares one setup"):
+        merge([record("dc-ckpt", 2, 160.0)], out)
+    assert json.loads(out.read_text())["runs"]["dc-ckpt@0.19.8"]["step_ms"]["median"] == 150.0
+    # The same setup re-run replaces its run.
+    merged = merge([record("dc-ckpt", 1, 120.0)], out)
+    assert merged["runs"]["dc-ckpt@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(10.0)

@@ -141,3 +141,41 @@ def test_reentrant_checkpointing_keeps_the_input_grad_hook() -> None:
     assert set(remove_checkpoint_graph_breaks(model)["removed_hooks"]) == \
         {"base_model.model.model.embed_tokens"}
     assert not emb._forward_hooks
+
+
+def test_use_cache_turned_off_for_training_is_not_saved(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    import ds_z3native
+    from ds_z3native.compat.hf_graph_breaks import remove_checkpoint_graph_breaks
+    from ds_z3native.models import MODEL_SIZES, build_lora_llama
+
+    def saved_use_cache(name: str) -> bool:
+        model, _ = build_lora_llama(MODEL_SIZES["tiny"])
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base = model.get_base_model()
+        assert base.config.use_cache is True
+        assert remove_checkpoint_graph_breaks(model)["use_cache_off"]
+        assert base.config.use_cache is False  # what the training forwards see
+        base.save_pretrained(tmp_path / name)
+        assert base.config.use_cache is False
+        saved = json.loads((tmp_path / name / "config.json").read_text())
+        return saved.get("use_cache", True)
+
+    assert saved_use_cache("weak") is False  # without install(): the training value is saved
+    ds_z3native.install()
+    try:
+        assert saved_use_cache("ours") is True
+    finally:
+        ds_z3native.uninstall()
+
+
+def test_a_hung_run_fails_with_its_stacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The runners' watchdog: a run past WATCHDOG_S prints every thread's stack and exits, and
+    # the failure message carries the stack (a hang in CI is diagnosable from its output).
+    from helpers import dc_runner
+
+    monkeypatch.setattr(dc_runner, "WATCHDOG_S", 2)
+    with pytest.raises(AssertionError, match=r"(?s)runner died \(rc 1\).*Timeout \(0:00:02\)!.*"
+                                             r"Thread 0x.*most recent call first.*File "):
+        run("--model", "seed", "--mode", "eager", steps=10**6)

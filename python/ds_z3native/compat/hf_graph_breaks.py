@@ -14,24 +14,31 @@ forward logs ``use_cache=True is incompatible with gradient checkpointing`` thro
 * :data:`HF_CHECKPOINT_GRAPH_BREAKS` (every release): ``engine.compile()`` with DeepCompile first
   removes the input-require-grads hooks when every checkpointed layer is non-reentrant, and sets
   ``config.use_cache = False`` on checkpointed models (what transformers does on the first
-  training forward). Each change is logged; reentrant checkpointing is left as it is.
+  training forward). Each change is logged; reentrant checkpointing is left as it is. The
+  user's ``use_cache`` is what the config saves (``save_pretrained``, ``to_dict``): a model
+  trained here and saved generates with its cache when loaded.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Any, Callable, Dict, List
 
 from packaging.version import Version
 
 from . import Patch, Undo
-from ._rebind import wrap_method
+from ._rebind import when_module_imported, wrap_method
 
 __all__ = ["HF_CHECKPOINT_GRAPH_BREAKS", "PATCHES", "checkpoint_modes",
            "remove_checkpoint_graph_breaks", "patch_checkpoint_graph_breaks"]
 
 log = logging.getLogger(__name__)
+
+# id(config) -> the user's use_cache, for each live config whose use_cache we turned off (configs
+# are unhashable; an entry goes with its config). to_dict() serializes the user's value.
+_USERS_USE_CACHE: Dict[int, bool] = {}
 
 # transformers' PreTrainedModel.enable_input_require_grads and PEFT's own copy of it.
 _INPUT_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
@@ -71,6 +78,9 @@ def remove_checkpoint_graph_breaks(model: Any) -> Dict[str, Any]:
         config = module.__dict__.get("config")
         if getattr(config, "use_cache", False) is True:
             config.use_cache = False
+            if id(config) not in _USERS_USE_CACHE:
+                _USERS_USE_CACHE[id(config)] = True
+                weakref.finalize(config, _USERS_USE_CACHE.pop, id(config), None)
             done["use_cache_off"].append(name or "<root>")
     if done["removed_hooks"]:
         log.info("non-reentrant checkpointing: removed the input-require-grads hook of %s "
@@ -91,11 +101,37 @@ def _compiling_without_breaks(compile_fn: Callable) -> Callable:
     return compile_without_checkpoint_breaks
 
 
+def _serializing_users_use_cache(to_dict: Callable) -> Callable:
+    def to_dict_with_users_use_cache(self: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        output = to_dict(self, *args, **kwargs)
+        if id(self) in _USERS_USE_CACHE and "use_cache" in output:
+            output["use_cache"] = _USERS_USE_CACHE[id(self)]
+        return output
+
+    return to_dict_with_users_use_cache
+
+
+def _patch_config_to_dict() -> Undo:
+    from transformers import configuration_utils
+
+    config_cls = getattr(configuration_utils, "PreTrainedConfig", None) or \
+        configuration_utils.PretrainedConfig
+    return wrap_method(config_cls, "to_dict", _serializing_users_use_cache)
+
+
 def patch_checkpoint_graph_breaks() -> Undo:
-    """engine.compile() with DeepCompile first removes the checkpointing graph breaks."""
+    """engine.compile() with DeepCompile first removes the checkpointing graph breaks; configs
+    whose use_cache it turned off serialize the user's value."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    return wrap_method(DeepSpeedEngine, "compile", _compiling_without_breaks)
+    undo_compile = wrap_method(DeepSpeedEngine, "compile", _compiling_without_breaks)
+    undo_config = when_module_imported("transformers.configuration_utils", _patch_config_to_dict)
+
+    def undo() -> None:
+        undo_config()
+        undo_compile()
+
+    return undo
 
 
 HF_CHECKPOINT_GRAPH_BREAKS = Patch(

@@ -40,6 +40,17 @@ def _stats_unchanged_collectives(m) -> Dict[str, int]:
 NO_COLLECTIVE = {"reduce_scatter_calls": 0, "allreduce_calls": 0, "bucket_flushes": 0}
 
 
+def _assert_gradient_refused(m, ds_id: int, grad: torch.Tensor, match: str) -> None:
+    """In a backward pass of graph 0, reduce_grad(grad) for ``ds_id`` raises ``match``; the pass
+    ends without a collective."""
+    m.reset_comm_stats()
+    m.start_backward(True)
+    with pytest.raises(RuntimeError, match=match):
+        _dc().reduce_grad(grad, 0, ds_id)
+    _dc().end_backward([None], 0)
+    assert _stats_unchanged_collectives(m) == NO_COLLECTIVE
+
+
 # ---------------------------------------------------------------------------------------- H1
 
 def test_h1_empty_and_undefined_buffers_register_frozen() -> None:
@@ -86,12 +97,7 @@ def test_h2_explicitly_frozen_param_refused() -> None:
         m.register_z3_param(1, [3], torch.randn(3), buf, False)
         m.register_graph_z3(0, [1])
         m.set_param_frozen(1, True)
-        m.reset_comm_stats()
-        m.start_backward(True)
-        with pytest.raises(RuntimeError, match=r"reduce_grad.*ds_id 1 .*frozen"):
-            _dc().reduce_grad(torch.ones(3), 0, 1)
-        _dc().end_backward([None], 0)
-        assert _stats_unchanged_collectives(m) == NO_COLLECTIVE
+        _assert_gradient_refused(m, 1, torch.ones(3), r"reduce_grad.*ds_id 1 .*frozen")
         assert torch.equal(buf, torch.zeros(3))
 
 
@@ -116,12 +122,8 @@ def test_h2_unfrozen_param_without_buffer_raises() -> None:
         m.register_z3_param(7, [6], torch.randn(6), torch.Tensor(), False)
         m.register_graph_z3(0, [7])
         m.set_param_frozen(7, False)
-        m.reset_comm_stats()
-        m.start_backward(True)
-        with pytest.raises(RuntimeError, match=r"reduce_grad.*ds_id 7 .*grad buffer of 0 elements"):
-            _dc().reduce_grad(torch.ones(6), 0, 7)
-        _dc().end_backward([None], 0)
-        assert _stats_unchanged_collectives(m) == NO_COLLECTIVE
+        _assert_gradient_refused(m, 7, torch.ones(6),
+                                 r"reduce_grad.*ds_id 7 .*grad buffer of 0 elements")
         assert not m.param_state(7)["grad_accumulated"]
 
 

@@ -49,26 +49,25 @@ TEST(ShardLayout, SweepWorldSizesAndOddSizes)
     }
 }
 
+// ShardLayout::of(numel, ws) has these per_rank and padded, and validInShard(r) == valid[r] for
+// every rank r of the ws.
+void expectLayout(int64_t numel, int64_t ws, int64_t per_rank, int64_t padded,
+                  const std::vector<int64_t>& valid)
+{
+    SCOPED_TRACE("numel " + std::to_string(numel) + " world_size " + std::to_string(ws));
+    const ShardLayout l = ShardLayout::of(numel, ws);
+    EXPECT_EQ(l.per_rank, per_rank);
+    EXPECT_EQ(l.padded, padded);
+    ASSERT_EQ(static_cast<int64_t>(valid.size()), ws);
+    for (int64_t r = 0; r < ws; ++r) { EXPECT_EQ(l.validInShard(r), valid[r]) << "rank " << r; }
+}
+
 TEST(ShardLayout, KnownValues)
 {
-    const ShardLayout a = ShardLayout::of(7, 3);
-    EXPECT_EQ(a.per_rank, 3);
-    EXPECT_EQ(a.padded, 9);
-    EXPECT_EQ(a.validInShard(0), 3);
-    EXPECT_EQ(a.validInShard(1), 3);
-    EXPECT_EQ(a.validInShard(2), 1);
-
+    expectLayout(7, 3, /*per_rank=*/3, /*padded=*/9, /*valid=*/{3, 3, 1});
     // More ranks than elements: trailing shards are all padding.
-    const ShardLayout b = ShardLayout::of(2, 5);
-    EXPECT_EQ(b.per_rank, 1);
-    EXPECT_EQ(b.padded, 5);
-    EXPECT_EQ(b.validInShard(1), 1);
-    EXPECT_EQ(b.validInShard(2), 0);
-    EXPECT_EQ(b.validInShard(4), 0);
-
-    const ShardLayout c = ShardLayout::of(0, 4);
-    EXPECT_EQ(c.per_rank, 0);
-    EXPECT_EQ(c.padded, 0);
+    expectLayout(2, 5, /*per_rank=*/1, /*padded=*/5, /*valid=*/{1, 1, 0, 0, 0});
+    expectLayout(0, 4, /*per_rank=*/0, /*padded=*/0, /*valid=*/{0, 0, 0, 0});
 }
 
 TEST(ShardLayout, BadInputsThrowNamingTheOp)

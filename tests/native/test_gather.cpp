@@ -12,6 +12,15 @@ const std::vector<std::vector<int64_t>> kShapes = {{5}, {3, 7}, {1}, {2, 2, 3}, 
 
 bool freed(const at::Tensor& t) { return t.storage().nbytes() == 0; }
 
+// Registers a ZeRO-3 param per entry of kShapes (ds_ids 1, 2, ...) and kGraph over them all.
+std::vector<int64_t> registerShapesGraph(Runtime& rt)
+{
+    const auto ids = idsFor(kShapes.size());
+    for (size_t i = 0; i < ids.size(); ++i) { registerZ3(rt, ids[i], kShapes[i]); }
+    rt.registerGraph(kGraph, ids, ZeroStage::Z3);
+    return ids;
+}
+
 class GatherAtWorldSize : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(GatherAtWorldSize, AllgatherReturnsTheExactFullTensorOnEveryRank)
@@ -19,9 +28,7 @@ TEST_P(GatherAtWorldSize, AllgatherReturnsTheExactFullTensorOnEveryRank)
     const int64_t ws = GetParam();
     auto world = std::make_shared<LoopbackWorld>(ws);
     runRanks(world, smallConfig(), [&](int64_t, Runtime& rt) {
-        const auto ids = idsFor(kShapes.size());
-        for (size_t i = 0; i < ids.size(); ++i) { registerZ3(rt, ids[i], kShapes[i]); }
-        rt.registerGraph(kGraph, ids, ZeroStage::Z3);
+        const auto ids = registerShapesGraph(rt);
         for (size_t i = 0; i < ids.size(); ++i) {
             SCOPED_TRACE("ds_id " + std::to_string(ids[i]));
             at::Tensor full = rt.allgatherParam(kGraph, ids[i], std::nullopt);
@@ -57,9 +64,7 @@ TEST_P(GatherAtWorldSize, PrefetchThenAllgatherWaitRelease)
     const int64_t ws = GetParam();
     auto world = std::make_shared<LoopbackWorld>(ws);
     runRanks(world, smallConfig(), [&](int64_t, Runtime& rt) {
-        const auto ids = idsFor(kShapes.size());
-        for (size_t i = 0; i < ids.size(); ++i) { registerZ3(rt, ids[i], kShapes[i]); }
-        rt.registerGraph(kGraph, ids, ZeroStage::Z3);
+        const auto ids = registerShapesGraph(rt);
 
         rt.prefetchParamsFused(kGraph, ids, std::nullopt);
         EXPECT_EQ(rt.stats().allgather_calls, static_cast<int64_t>(ids.size()));

@@ -40,31 +40,62 @@ void expectPaddingZero(const at::Tensor& grad_buffer, const ShardLayout& l, int6
     }
 }
 
+// The ZeRO-3 params of kGraph on one rank: their ds_ids, shapes and grad buffers.
+struct GraphParams {
+    std::vector<int64_t> ids;
+    std::vector<std::vector<int64_t>> shapes;
+    std::vector<at::Tensor> bufs;
+};
+
+// Registers one ZeRO-3 param per shape (ds_ids first_id, first_id + 1, ...) and kGraph over them.
+GraphParams registerGraphOf(Runtime& rt, const std::vector<std::vector<int64_t>>& shapes,
+                            int64_t first_id = 1)
+{
+    GraphParams p{idsFor(shapes.size(), first_id), shapes, {}};
+    for (size_t i = 0; i < p.ids.size(); ++i) {
+        p.bufs.push_back(registerZ3(rt, p.ids[i], p.shapes[i]));
+    }
+    rt.registerGraph(kGraph, p.ids, ZeroStage::Z3);
+    return p;
+}
+
+// One backward pass in which every param gets this rank's gradient of `step`.
+void backwardPass(Runtime& rt, const GraphParams& p, int64_t rank, int64_t step, bool boundary,
+                  bool release_reduce_buckets)
+{
+    rt.startBackward(boundary);
+    for (size_t i = 0; i < p.ids.size(); ++i) {
+        rt.reduceGrad(kGraph, p.ids[i], rankGrad(p.ids[i], p.shapes[i], rank, step));
+    }
+    rt.endBackward(kGraph, release_reduce_buckets);
+}
+
+// expectShard for every param (the mean gradients of `steps`, summed) and, with
+// `padding_zero`, expectPaddingZero too.
+void expectShards(const GraphParams& p, int64_t ws, int64_t rank,
+                  const std::vector<int64_t>& steps, bool padding_zero)
+{
+    for (size_t i = 0; i < p.ids.size(); ++i) {
+        expectShard(p.bufs[i], expectedShard(p.ids[i], p.shapes[i], ws, rank, steps), p.ids[i]);
+        if (padding_zero) {
+            expectPaddingZero(p.bufs[i], ShardLayout::of(numelOf(p.shapes[i]), ws), rank);
+        }
+    }
+}
+
 class ReduceAtWorldSize : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(ReduceAtWorldSize, MeanOverRanksLandsInEachShardWithZeroPadding)
 {
     const int64_t ws = GetParam();
     runRanks(ws, smallConfig(), [&](int64_t rank, Runtime& rt) {
-        const auto ids = idsFor(kShapes.size());
-        std::vector<at::Tensor> bufs;
-        for (size_t i = 0; i < ids.size(); ++i) {
-            bufs.push_back(registerZ3(rt, ids[i], kShapes[i]));
-        }
-        rt.registerGraph(kGraph, ids, ZeroStage::Z3);
-        rt.startBackward(true);
-        for (size_t i = 0; i < ids.size(); ++i) {
-            rt.reduceGrad(kGraph, ids[i], rankGrad(ids[i], kShapes[i], rank, 0));
-        }
-        rt.endBackward(kGraph, true);
+        const GraphParams p = registerGraphOf(rt, kShapes);
+        backwardPass(rt, p, rank, 0, /*boundary=*/true, /*release_reduce_buckets=*/true);
         EXPECT_EQ(rt.pendingGradients(), 0u);
-        for (size_t i = 0; i < ids.size(); ++i) {
-            expectShard(bufs[i], expectedShard(ids[i], kShapes[i], ws, rank, {0}), ids[i]);
-            expectPaddingZero(bufs[i], ShardLayout::of(numelOf(kShapes[i]), ws), rank);
-            EXPECT_TRUE(rt.paramState(ids[i]).grad_accumulated);
-        }
+        expectShards(p, ws, rank, {0}, /*padding_zero=*/true);
+        for (int64_t id : p.ids) { EXPECT_TRUE(rt.paramState(id).grad_accumulated); }
         const CommStats s = rt.stats();
-        EXPECT_EQ(s.reduce_scatter_calls, static_cast<int64_t>(ids.size()));
+        EXPECT_EQ(s.reduce_scatter_calls, static_cast<int64_t>(p.ids.size()));
         EXPECT_EQ(s.allreduce_calls, 0);
     });
 }
@@ -91,32 +122,16 @@ TEST_P(ReduceAtWorldSize, AccumulatesWithinAWindowAndOverwritesInTheNext)
 {
     const int64_t ws = GetParam();
     runRanks(ws, smallConfig(), [&](int64_t rank, Runtime& rt) {
-        const auto ids = idsFor(kShapes.size());
-        std::vector<at::Tensor> bufs;
-        for (size_t i = 0; i < ids.size(); ++i) {
-            bufs.push_back(registerZ3(rt, ids[i], kShapes[i]));
-        }
-        rt.registerGraph(kGraph, ids, ZeroStage::Z3);
+        const GraphParams p = registerGraphOf(rt, kShapes);
         auto pass = [&](int64_t step, bool boundary) {
-            rt.startBackward(boundary);
-            for (size_t i = 0; i < ids.size(); ++i) {
-                rt.reduceGrad(kGraph, ids[i], rankGrad(ids[i], kShapes[i], rank, step));
-            }
-            rt.endBackward(kGraph, false);
+            backwardPass(rt, p, rank, step, boundary, /*release_reduce_buckets=*/false);
         };
         pass(0, false);
-        for (size_t i = 0; i < ids.size(); ++i) {
-            expectShard(bufs[i], expectedShard(ids[i], kShapes[i], ws, rank, {0}), ids[i]);
-        }
+        expectShards(p, ws, rank, {0}, /*padding_zero=*/false);
         pass(1, true);  // same window: added
-        for (size_t i = 0; i < ids.size(); ++i) {
-            expectShard(bufs[i], expectedShard(ids[i], kShapes[i], ws, rank, {0, 1}), ids[i]);
-            expectPaddingZero(bufs[i], ShardLayout::of(numelOf(kShapes[i]), ws), rank);
-        }
+        expectShards(p, ws, rank, {0, 1}, /*padding_zero=*/true);
         pass(2, true);  // the optimizer consumed the window: overwritten
-        for (size_t i = 0; i < ids.size(); ++i) {
-            expectShard(bufs[i], expectedShard(ids[i], kShapes[i], ws, rank, {2}), ids[i]);
-        }
+        expectShards(p, ws, rank, {2}, /*padding_zero=*/false);
     });
 }
 
@@ -133,28 +148,16 @@ TEST(Buckets, SmallBucketsFlushEarlyAndStillReduceCorrectly)
             SCOPED_TRACE("world_size " + std::to_string(ws) + " double_buffer " +
                          std::to_string(double_buffer));
             runRanks(ws, smallConfig(8, double_buffer), [&](int64_t rank, Runtime& rt) {
-                const auto ids = idsFor(shapes.size(), 10);
-                std::vector<at::Tensor> bufs;
-                for (size_t i = 0; i < ids.size(); ++i) {
-                    bufs.push_back(registerZ3(rt, ids[i], shapes[i]));
-                }
-                rt.registerGraph(kGraph, ids, ZeroStage::Z3);
+                const GraphParams p = registerGraphOf(rt, shapes, 10);
                 for (int64_t step = 0; step < 2; ++step) {
-                    rt.startBackward(step == 1);
-                    for (size_t i = 0; i < ids.size(); ++i) {
-                        rt.reduceGrad(kGraph, ids[i], rankGrad(ids[i], shapes[i], rank, step));
-                    }
-                    rt.endBackward(kGraph, /*release_reduce_buckets=*/step == 1);
+                    backwardPass(rt, p, rank, step, /*boundary=*/step == 1,
+                                 /*release_reduce_buckets=*/step == 1);
                 }
-                for (size_t i = 0; i < ids.size(); ++i) {
-                    expectShard(bufs[i], expectedShard(ids[i], shapes[i], ws, rank, {0, 1}),
-                                ids[i]);
-                    expectPaddingZero(bufs[i], ShardLayout::of(numelOf(shapes[i]), ws), rank);
-                }
+                expectShards(p, ws, rank, {0, 1}, /*padding_zero=*/true);
                 const CommStats s = rt.stats();
                 // Did flush early: more flushes than end_backward calls.
                 EXPECT_GT(s.bucket_flushes, 2 * 2);
-                EXPECT_EQ(s.reduce_scatter_calls, 2 * static_cast<int64_t>(ids.size()));
+                EXPECT_EQ(s.reduce_scatter_calls, 2 * static_cast<int64_t>(p.ids.size()));
             });
         }
     }
@@ -426,16 +429,39 @@ at::Tensor expectedPartition(int64_t ds_id, const std::vector<int64_t>& shape, i
     return sum.narrow(0, p.offset, p.buf.numel());
 }
 
+// registerZ12 of shapes[i] as ds_id first_id + i, for every i.
+std::vector<Partitioned> registerZ12All(Runtime& rt,
+                                        const std::vector<std::vector<int64_t>>& shapes,
+                                        int64_t first_id)
+{
+    std::vector<Partitioned> parts;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+        parts.push_back(registerZ12(rt, first_id + static_cast<int64_t>(i), shapes[i]));
+    }
+    return parts;
+}
+
+// Every partition registered by registerZ12All holds its part of the mean gradients of `steps`.
+void expectPartitions(const std::vector<Partitioned>& parts,
+                      const std::vector<std::vector<int64_t>>& shapes, int64_t first_id,
+                      int64_t ws, const std::vector<int64_t>& steps)
+{
+    for (size_t i = 0; i < shapes.size(); ++i) {
+        const int64_t id = first_id + static_cast<int64_t>(i);
+        SCOPED_TRACE("ds_id " + std::to_string(id));
+        EXPECT_TRUE(parts[i].buf.allclose(expectedPartition(id, shapes[i], ws, parts[i], steps),
+                                          1e-6, 1e-5))
+            << parts[i].buf;
+    }
+}
+
 TEST(Zero12, Zero2ReducesEveryPassIntoThePartition)
 {
     for (int64_t ws : {1, 2, 3}) {
         SCOPED_TRACE("world_size " + std::to_string(ws));
         runRanks(ws, smallConfig(16), [&](int64_t rank, Runtime& rt) {
             const std::vector<std::vector<int64_t>> shapes = {{5}, {3, 3}, {2}, {17}};
-            std::vector<Partitioned> parts;
-            for (size_t i = 0; i < shapes.size(); ++i) {
-                parts.push_back(registerZ12(rt, 40 + static_cast<int64_t>(i), shapes[i]));
-            }
+            const std::vector<Partitioned> parts = registerZ12All(rt, shapes, 40);
             // A frozen param the optimizer never registered may be listed.
             rt.registerGraph(kGraph, {40, 41, 42, 43, 999}, ZeroStage::Z2);
             for (int64_t step = 0; step < 2; ++step) {
@@ -446,13 +472,7 @@ TEST(Zero12, Zero2ReducesEveryPassIntoThePartition)
                 }
                 rt.endBackward(kGraph, true);
             }
-            for (size_t i = 0; i < shapes.size(); ++i) {
-                const int64_t id = 40 + static_cast<int64_t>(i);
-                SCOPED_TRACE("ds_id " + std::to_string(id));
-                EXPECT_TRUE(parts[i].buf.allclose(
-                    expectedPartition(id, shapes[i], ws, parts[i], {0, 1}), 1e-6, 1e-5))
-                    << parts[i].buf;
-            }
+            expectPartitions(parts, shapes, 40, ws, {0, 1});
             EXPECT_EQ(rt.stats().allreduce_calls, 2 * static_cast<int64_t>(shapes.size()));
             EXPECT_EQ(rt.stats().reduce_scatter_calls, 0);
         });
@@ -465,10 +485,7 @@ TEST(Zero12, Zero1ReducesTheLocalSumOncePerWindow)
         SCOPED_TRACE("world_size " + std::to_string(ws));
         runRanks(ws, smallConfig(16), [&](int64_t rank, Runtime& rt) {
             const std::vector<std::vector<int64_t>> shapes = {{7}, {2, 5}, {1}};
-            std::vector<Partitioned> parts;
-            for (size_t i = 0; i < shapes.size(); ++i) {
-                parts.push_back(registerZ12(rt, 50 + static_cast<int64_t>(i), shapes[i]));
-            }
+            const std::vector<Partitioned> parts = registerZ12All(rt, shapes, 50);
             rt.registerGraph(kGraph, {50, 51, 52}, ZeroStage::Z1);
             std::vector<at::Tensor> grads;
             for (int64_t step = 0; step < 2; ++step) {
@@ -485,13 +502,7 @@ TEST(Zero12, Zero1ReducesTheLocalSumOncePerWindow)
                     for (const auto& p : parts) { EXPECT_TRUE(p.buf.eq(0.0f).all().item<bool>()); }
                 }
             }
-            for (size_t i = 0; i < shapes.size(); ++i) {
-                const int64_t id = 50 + static_cast<int64_t>(i);
-                SCOPED_TRACE("ds_id " + std::to_string(id));
-                EXPECT_TRUE(parts[i].buf.allclose(
-                    expectedPartition(id, shapes[i], ws, parts[i], {0, 1}), 1e-6, 1e-5))
-                    << parts[i].buf;
-            }
+            expectPartitions(parts, shapes, 50, ws, {0, 1});
             EXPECT_EQ(rt.stats().allreduce_calls, static_cast<int64_t>(shapes.size()));
             // The local sums never wrote into the callers' gradients.
             for (size_t k = 0; k < grads.size(); ++k) {

@@ -238,3 +238,43 @@ def test_lora_merge_keeps_one_setup_per_file(tmp_path: Path) -> None:
     # The same setup re-run replaces its run.
     merged = merge([record("dc-ckpt", 1, 120.0)], out)
     assert merged["runs"]["dc-ckpt@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(10.0)
+
+
+def test_native_micro_reads_nccls_coll_log_format() -> None:
+    # Lines in the format NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL writes (host:pid:tid [rank] NCCL
+    # INFO <Op>: opCount <hex> ... count <n> datatype <ncclDataType_t> ... [nranks=<n>] stream ...),
+    # with the marker all-reduces native_micro issues between categories and at each step's end.
+    from bench.native_micro import CATEGORIES, MARKER_BASE, parse_nccl_coll_log
+
+    def line(op: str, op_count: int, count: int, dtype: int) -> str:
+        return (f"gpu-host:4242:4242 [0] NCCL INFO {op}: opCount {op_count:x} sendbuff "
+                f"0x7f5dd32b2100 recvbuff 0x7f5dd32b4100 count {count} datatype {dtype} op 0 root 0 "
+                f"comm 0x55bef0201370 [nranks=2] stream 0x55bef0208bd0")
+
+    def marker(code: int) -> str:
+        return line("AllReduce", 0, MARKER_BASE + code, 7)
+
+    end_of_step = len(CATEGORIES) + 2
+    log = "\n".join([
+        "gpu-host:4242:4242 [0] NCCL INFO Bootstrap : Using eth0:10.0.0.1<0>",
+        "gpu-host:4242:4242 [0] NCCL INFO comm 0x55bef0201370 rank 0 nranks 2 - Init COMPLETE",
+        marker(CATEGORIES.index("frozen")),
+        line("AllGather", 1, 1024, 9), line("AllGather", 2, 512, 9),     # bf16: 2 bytes
+        marker(CATEGORIES.index("persistent_frozen")),
+        line("AllGather", 3, 256, 7),                                      # fp32: 4 bytes
+        marker(CATEGORIES.index("trainable")),
+        line("AllGather", 4, 100, 7), line("ReduceScatter", 5, 100, 7),
+        line("AllReduce", 6, 8, 7),
+        marker(end_of_step),
+        marker(CATEGORIES.index("trainable")),
+        line("AllGather", 7, 100, 7), line("ReduceScatter", 8, 100, 7),
+        marker(end_of_step),
+    ])
+    first, later = parse_nccl_coll_log(log)
+    assert first["allgather_calls"] == 4
+    assert first["allgather_bytes"] == 2 * (1024 * 2 + 512 * 2 + 256 * 4 + 100 * 4)  # received
+    assert first["reduce_scatter_calls"] == 1 and first["reduce_scatter_bytes"] == 2 * 400
+    assert first["allreduce_calls"] == 1 and first["allreduce_bytes"] == 32  # markers not counted
+    assert first["per_category"]["frozen"] == {"allgather_calls": 2, "allgather_bytes": 6144}
+    assert first["per_category"]["persistent_frozen"]["allgather_bytes"] == 2048
+    assert later["allgather_calls"] == 1 and "persistent_frozen" not in later["per_category"]

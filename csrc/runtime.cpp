@@ -12,6 +12,14 @@ namespace dsz {
 
 namespace {
 
+// A set_persistent budget: unset (no limit) or a number of bytes >= 0.
+std::optional<int64_t> checkedBudget(std::optional<int64_t> bytes, const char* op)
+{
+    DSZ_CHECK(!bytes || *bytes >= 0, op, "the persistence budget must be >= 0 bytes, got ",
+              bytes.value_or(0));
+    return bytes;
+}
+
 int64_t numelOf(const std::vector<int64_t>& shape, const char* op, int64_t ds_id)
 {
     int64_t n = 1;
@@ -56,12 +64,7 @@ Runtime::Runtime(std::unique_ptr<Collectives> comm,
 {
     DSZ_CHECK(config.free_activation_threshold >= 0, "init",
               "free_activation_threshold must be >= 0, got ", config.free_activation_threshold);
-    if (config.persistence_budget_bytes) {
-        DSZ_CHECK(*config.persistence_budget_bytes >= 0, "init",
-                  "the persistence budget must be >= 0 bytes, got ",
-                  *config.persistence_budget_bytes);
-    }
-    persistence_.budget_bytes = config.persistence_budget_bytes;
+    persistence_.budget_bytes = checkedBudget(config.persistence_budget_bytes, "init");
 }
 
 Runtime::~Runtime() = default;
@@ -196,11 +199,7 @@ void Runtime::setPersistent(int64_t ds_id)
 void Runtime::setPersistenceBudget(std::optional<int64_t> bytes)
 {
     DSZ_LOCK;
-    if (bytes) {
-        DSZ_CHECK(*bytes >= 0, "set_persistence_budget", "the budget must be >= 0 bytes, got ",
-                  *bytes);
-    }
-    persistence_.budget_bytes = bytes;
+    persistence_.budget_bytes = checkedBudget(bytes, "set_persistence_budget");
 }
 
 Runtime::PersistenceUse Runtime::persistenceUse()

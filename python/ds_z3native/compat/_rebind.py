@@ -9,7 +9,7 @@ from typing import Callable, List, Sequence
 
 from . import Undo
 
-__all__ = ["wrap_function", "wrap_method", "when_module_imported"]
+__all__ = ["wrap_function", "wrap_method", "when_module_imported", "undo_all"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,17 @@ def when_module_imported(module_name: str, apply: Callable[[], Undo]) -> Undo:
         cancel()
         while applied:
             applied.pop()()
+
+    return undo
+
+
+def undo_all(undos: Sequence[Undo]) -> Undo:
+    """One undo for several edits: undoes them last first, once."""
+    pending = list(undos)
+
+    def undo() -> None:
+        while pending:
+            pending.pop()()
 
     return undo
 

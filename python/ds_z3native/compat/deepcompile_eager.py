@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from packaging.version import Version
 
 from . import Patch, Undo
-from ._rebind import wrap_method
+from ._rebind import undo_all, wrap_method
 
 __all__ = ["EAGER_GATHER", "PATCHES", "EagerFallbackGather", "EagerTrainableParam",
            "patch_eager_gather", "eager_gather_of"]
@@ -250,13 +250,12 @@ def patch_eager_gather() -> Undo:
     """engine.compile() adds the eager-fallback gather; engine.forward/backward release it."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    undos = [wrap_method(DeepSpeedEngine, "compile", _compiling_with_eager_gather),
-             wrap_method(DeepSpeedEngine, "forward", _forward_releasing),
-             wrap_method(DeepSpeedEngine, "backward", _backward_releasing)]
+    unwrap = undo_all([wrap_method(DeepSpeedEngine, "compile", _compiling_with_eager_gather),
+                       wrap_method(DeepSpeedEngine, "forward", _forward_releasing),
+                       wrap_method(DeepSpeedEngine, "backward", _backward_releasing)])
 
     def undo() -> None:
-        while undos:
-            undos.pop()()
+        unwrap()
         for engine in list(_ENGINES):  # uninstall(): the engines' modules get their dicts back
             gather = eager_gather_of(engine)
             if gather is not None:

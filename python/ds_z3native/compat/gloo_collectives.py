@@ -22,19 +22,16 @@ Python dispatcher, so executing the collective itself needs the GIL.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Iterator, List
 
 import torch
 from packaging.version import Version
 
 from . import Patch, Undo
-from ._rebind import wrap_method
+from ._rebind import undo_all, wrap_method
 
 __all__ = ["COLLECTIVES", "GLOO_COLLECTIVES_OUTSIDE_PYTHON_DISPATCH", "PATCHES",
            "python_dispatch_active", "outside_python_dispatch", "patch_gloo_collectives"]
-
-log = logging.getLogger(__name__)
 
 # DeepSpeed's TorchBackend methods that issue a collective on tensors (barrier has none of ours).
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "broadcast",
@@ -91,14 +88,8 @@ def patch_gloo_collectives() -> Undo:
     """Every collective of DeepSpeed's TorchBackend this DeepSpeed has, wrapped."""
     from deepspeed.comm.torch import TorchBackend
 
-    undos: List[Undo] = [wrap_method(TorchBackend, name, outside_python_dispatch)
-                         for name in COLLECTIVES if name in TorchBackend.__dict__]
-
-    def undo() -> None:
-        for u in reversed(undos):
-            u()
-
-    return undo
+    return undo_all([wrap_method(TorchBackend, name, outside_python_dispatch)
+                     for name in COLLECTIVES if name in TorchBackend.__dict__])
 
 
 GLOO_COLLECTIVES_OUTSIDE_PYTHON_DISPATCH = Patch(

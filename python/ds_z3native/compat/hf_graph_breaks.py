@@ -24,21 +24,21 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Set
 
 from packaging.version import Version
 
 from . import Patch, Undo
-from ._rebind import when_module_imported, wrap_method
+from ._rebind import undo_all, when_module_imported, wrap_method
 
 __all__ = ["HF_CHECKPOINT_GRAPH_BREAKS", "PATCHES", "checkpoint_modes",
            "remove_checkpoint_graph_breaks", "patch_checkpoint_graph_breaks"]
 
 log = logging.getLogger(__name__)
 
-# id(config) -> the user's use_cache, for each live config whose use_cache we turned off (configs
-# are unhashable; an entry goes with its config). to_dict() serializes the user's value.
-_USERS_USE_CACHE: Dict[int, bool] = {}
+# id() of each live config whose use_cache=True we turned off (configs are unhashable; an entry
+# goes with its config): to_dict() serializes the user's True.
+_USE_CACHE_TURNED_OFF: Set[int] = set()
 
 # transformers' PreTrainedModel.enable_input_require_grads and PEFT's own copy of it.
 _INPUT_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
@@ -78,9 +78,9 @@ def remove_checkpoint_graph_breaks(model: Any) -> Dict[str, Any]:
         config = module.__dict__.get("config")
         if getattr(config, "use_cache", False) is True:
             config.use_cache = False
-            if id(config) not in _USERS_USE_CACHE:
-                _USERS_USE_CACHE[id(config)] = True
-                weakref.finalize(config, _USERS_USE_CACHE.pop, id(config), None)
+            if id(config) not in _USE_CACHE_TURNED_OFF:
+                _USE_CACHE_TURNED_OFF.add(id(config))
+                weakref.finalize(config, _USE_CACHE_TURNED_OFF.discard, id(config))
             done["use_cache_off"].append(name or "<root>")
     if done["removed_hooks"]:
         log.info("non-reentrant checkpointing: removed the input-require-grads hook of %s "
@@ -104,8 +104,8 @@ def _compiling_without_breaks(compile_fn: Callable) -> Callable:
 def _serializing_users_use_cache(to_dict: Callable) -> Callable:
     def to_dict_with_users_use_cache(self: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         output = to_dict(self, *args, **kwargs)
-        if id(self) in _USERS_USE_CACHE and "use_cache" in output:
-            output["use_cache"] = _USERS_USE_CACHE[id(self)]
+        if id(self) in _USE_CACHE_TURNED_OFF and "use_cache" in output:
+            output["use_cache"] = True
         return output
 
     return to_dict_with_users_use_cache
@@ -124,14 +124,9 @@ def patch_checkpoint_graph_breaks() -> Undo:
     whose use_cache it turned off serialize the user's value."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    undo_compile = wrap_method(DeepSpeedEngine, "compile", _compiling_without_breaks)
-    undo_config = when_module_imported("transformers.configuration_utils", _patch_config_to_dict)
-
-    def undo() -> None:
-        undo_config()
-        undo_compile()
-
-    return undo
+    return undo_all([
+        wrap_method(DeepSpeedEngine, "compile", _compiling_without_breaks),
+        when_module_imported("transformers.configuration_utils", _patch_config_to_dict)])
 
 
 HF_CHECKPOINT_GRAPH_BREAKS = Patch(

@@ -29,7 +29,6 @@ import argparse
 import faulthandler
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -43,17 +42,14 @@ WIDTH = 64
 BATCH = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launcher_env() -> None:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if "MASTER_PORT" not in os.environ:
+        from ds_z3native._net import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
 
 
 def build_model(kind: str) -> Any:

@@ -52,7 +52,6 @@ import logging
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -111,11 +110,10 @@ def _launcher_env() -> None:
     """One process without a launcher: make it rank 0 of 1."""
     if "RANK" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ds_z3native._net import free_port
+
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def _versions() -> Dict[str, Any]:
@@ -404,16 +402,22 @@ def _comparable_setup(record: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return {k: setup.get(k) for k in ("size", "world_size", "seq", "micro_batch", "device")}
 
 
+def bench_name(world_size: int) -> str:
+    """The result's name: ``lora_llama`` on one GPU, ``lora_llama_ws<N>`` on N (one file and one
+    README table per world size)."""
+    return "lora_llama" if world_size <= 1 else f"lora_llama_ws{world_size}"
+
+
 def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     """Combines per-variant records into ``{"bench": "lora_llama", "runs": {"<variant>@<deepspeed>":
-    ...}}`` (existing runs in ``output`` are kept unless replaced), and gives each run its ratios
+    ...}}`` (``lora_llama_ws<N>`` for runs on N GPUs; existing runs in ``output`` are kept unless
+    replaced), and gives each run its ratios
     to the ``upstream`` (eager, non-reentrant checkpointing) and ``none`` (eager, no
     checkpointing) runs of the newest DeepSpeed in the file: ``speedup`` = baseline step time /
     this step time, ``peak_ratio`` = this peak / baseline peak."""
     merged: Dict[str, Any] = {"bench": "lora_llama", "runs": {}}
     if output.exists():
         merged = json.loads(output.read_text())
-        merged["bench"] = "lora_llama"
     for path in paths:
         record = json.loads(path.read_text())
         key = f"{record['variant']}@{record['versions']['deepspeed']}"
@@ -425,6 +429,8 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
                              f"{clash[0]} with {clash[1]}; one file compares one setup (write "
                              f"this one to another --output)")
         merged["runs"][key] = record
+    sizes = {(r.get("setup") or {}).get("world_size") for r in merged["runs"].values()} - {None}
+    merged["bench"] = bench_name(max(sizes, default=1))
     ok = {k: r for k, r in merged["runs"].items() if "error" not in r and "step_ms" in r}
     for record in merged["runs"].values():
         record.pop("vs", None)  # recomputed below from this file's runs only

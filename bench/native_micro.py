@@ -35,7 +35,6 @@ import math
 import os
 import random
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ds_z3native._net import free_port
 from bench.suite import (BenchContext, Benchmark, Command, peak_memory_gib, register, summarize,
                          versions)
 
@@ -292,12 +292,6 @@ def _rank_main(rank: int, world_size: int, port: int, impl: str, cfg_dict: Dict[
             json.dump(result, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(impl: str, cfg: MicroConfig, env: Dict[str, str], account_only: bool,
            timeout: float) -> Dict[str, Any]:
     """Run ``cfg.ranks`` fresh processes of ``_rank_main``; rank 0's result (or the first
@@ -310,7 +304,7 @@ def _spawn(impl: str, cfg: MicroConfig, env: Dict[str, str], account_only: bool,
         with tempfile.TemporaryDirectory() as out_dir:
             ctx = mp.start_processes(
                 _rank_main, nprocs=cfg.ranks, join=False, start_method="spawn",
-                args=(cfg.ranks, _free_port(), impl, dataclasses.asdict(cfg), out_dir,
+                args=(cfg.ranks, free_port(), impl, dataclasses.asdict(cfg), out_dir,
                       account_only))
             deadline = time.monotonic() + timeout
             try:

@@ -31,7 +31,7 @@ __all__ = ["BEGIN", "END", "load_results", "render_block", "replace_block", "upd
 
 BEGIN = "<!-- bench-table:begin -->"
 END = "<!-- bench-table:end -->"
-ORDER = ("deepcompile_first_step", "native_micro", "lora_llama", "eager_lora")
+ORDER = ("deepcompile_first_step", "native_micro", "lora_llama", "lora_llama_ws2", "eager_lora")
 # Ratio baselines of results written without one (e.g. eager_lora.py's merge output).
 BASELINES: Dict[str, Tuple[Tuple[str, ...], bool]] = {
     "deepcompile_first_step": (("deepspeed-jit",), True),
@@ -39,6 +39,12 @@ BASELINES: Dict[str, Tuple[Tuple[str, ...], bool]] = {
     "lora_llama": (("upstream", "none", "plain"), False),
     "eager_lora": (("upstream", "none", "plain"), False),
 }
+
+
+def _family(name: str) -> str:
+    """The benchmark a result belongs to: ``lora_llama_ws2`` (the 2-GPU runs) -> ``lora_llama``."""
+    base, sep, ws = name.rpartition("_ws")
+    return base if sep and ws.isdigit() else name
 
 
 # --------------------------------------------------------------------------- loading
@@ -64,7 +70,7 @@ def load_results(results_dir: Path = RESULTS_DIR, include_smoke: bool = False
         data["bench"] = name
         data["_path"] = str(path)
         if any("ratio" not in r for r in data["runs"].values() if isinstance(r, dict)):
-            preferred, per_ds = BASELINES.get(name, ((), False))
+            preferred, per_ds = BASELINES.get(_family(name), ((), False))
             preferred = preferred or tuple(run_variant(k, r) for k, r in data["runs"].items())
             add_ratios(data, preferred, per_deepspeed=per_ds)
         results[name] = data
@@ -230,7 +236,10 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
             continue
         share = r.get("peak_share")
         speedup = _lora_speedup(r)
-        first_step = r.get("compile_to_first_step_s") if setup.get("deepcompile") else None
+        compile_cell = "-"
+        if setup.get("deepcompile"):
+            compile_cell = " / ".join(_num(r.get(k), "{:.0f}", " s") for k in (
+                "compile_to_first_step_s", "replan_step_s", "wall_to_last_step_s"))
         ratio = _ratio(r)  # step time / the baseline's: its inverse is the speedup
         fallback = (f"{1 / ratio:.2f}x vs `{result.get('baseline')}`"
                     if isinstance(ratio, (int, float)) and ratio > 0 else "-")
@@ -239,7 +248,7 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
                             _num(r.get("tokens_per_s"), "{:,.0f}"),
                             _num(r.get("peak_gib"), "{:.2f}"), _num(r.get("tflops"), "{:.1f}"),
                             _num(None if share is None else 100 * share, "{:.1f}", "%"),
-                            _num(first_step, "{:.0f}", " s")])
+                            compile_cell])
     params = model.get("params")
     title = ("**LoRA fine-tune step** ("
              + (f"{params / 1e9:.2f} B params, " if isinstance(params, (int, float)) else "")
@@ -251,9 +260,8 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
                "same checkpointing over this one):")
     lines = [title, ""] + _table(["variant", "what", "checkpointing", "DeepSpeed",
                                   "ms/step (min–max)", "speedup", "tokens/s", "peak GiB",
-                                  "TFLOP/s", "share of bf16 peak", "compile to 1st step"], rows)
-    if result.get("note"):
-        lines += ["", f"_{result['note']}_"]
+                                  "TFLOP/s", "share of bf16 peak",
+                                  "compile to end of step 1 / re-plan step / to last step"], rows)
     return lines
 
 
@@ -277,7 +285,12 @@ _FORMATTERS: Dict[str, Callable[[Mapping[str, Any]], List[str]]] = {
 def render_block(results: Mapping[str, Mapping[str, Any]]) -> str:
     """The markdown between the markers (without them): one titled table per benchmark."""
     names = [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER)
-    sections = ["\n".join(_FORMATTERS.get(n, _generic)(results[n])) for n in names]
+    sections = []
+    for n in names:
+        lines = _FORMATTERS.get(_family(n), _generic)(results[n])
+        if results[n].get("note"):  # how and where the numbers were taken
+            lines += ["", f"_{results[n]['note']}_"]
+        sections.append("\n".join(lines))
     if not sections:
         return "No benchmark results yet: run `python -m bench all` on the GPU host."
     return "\n\n".join(sections)

@@ -48,6 +48,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from packaging.version import Version
 
+from ds_z3native._net import free_port
+
 log = logging.getLogger("bench.suite")
 
 __all__ = ["SCHEMA", "RESULTS_DIR", "SMOKE_DIR", "GIB", "Command", "BenchContext", "Benchmark",
@@ -184,8 +186,10 @@ def add_ratios(result: Dict[str, Any], preferred: Sequence[str],
 
 
 def finish_result(bench: "Benchmark", result: Dict[str, Any], ctx: "BenchContext") -> Dict[str, Any]:
-    """Fill the common fields (bench, schema, mode, created, versions, ratios) of ``result``."""
-    result["bench"] = bench.name
+    """Fill the common fields (bench, schema, mode, created, versions, ratios) of ``result``
+    (a benchmark may name its result ``<name>_<suffix>``, e.g. per world size)."""
+    if not str(result.get("bench", "")).startswith(bench.name):
+        result["bench"] = bench.name
     result["schema"] = SCHEMA
     result["mode"] = "smoke" if ctx.smoke else "full"
     result["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -257,6 +261,26 @@ class Benchmark:
     run: Callable[[BenchContext], Dict[str, Any]]
     smoke: Callable[[BenchContext], Dict[str, Any]]
     ratio_per_deepspeed: bool = False
+    multi_gpu: bool = False  # a full run also runs at 2 GPUs where the host has them
+
+
+def _cuda_device_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable CUDA: no GPUs
+        return 0
+
+
+def contexts_for(bench: Benchmark, ctx: BenchContext, gpus: Optional[int] = None) -> List[BenchContext]:
+    """The runs of ``bench`` that ``ctx`` asks for: as given, plus (full runs of a ``multi_gpu``
+    benchmark without ``--ranks``, on a host with ``gpus`` >= 2 GPUs) the same at 2 ranks."""
+    if ctx.smoke or ctx.ranks is not None or not bench.multi_gpu:
+        return [ctx]
+    gpus = _cuda_device_count() if gpus is None else gpus
+    # its own work folder: the 2-rank runs must not find the 1-rank runs' files
+    return [ctx] + ([dataclasses.replace(ctx, ranks=2, work_root=None)] if gpus >= 2 else [])
 
 
 _REGISTRY: Dict[str, Benchmark] = {}
@@ -463,11 +487,17 @@ def _lora_commands(ctx: BenchContext) -> List[Command]:
     script, variants = _lora_script()
     cmds = []
     steps = ["--steps", str(ctx.steps)] if ctx.steps else []
+    ranks = ctx.ranks or 1
+    launcher = [sys.executable]
+    if ranks > 1:  # one process per GPU; plain PyTorch (no ZeRO) is a one-GPU ceiling only
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}"]
+        variants = tuple(v for v in variants if v != "plain")
     for ds, env in _deepspeed_envs(ctx):
         # Another DeepSpeed is there for ds_z3native's fix on it: only "ours" runs on it.
         for variant in (variants if not env else ("ours",)):
             out = ctx.work_dir / "lora" / f"{variant}-{ds}.json"
-            cmds.append(Command([sys.executable, script, "--variant", variant, *steps,
+            port = ([f"--master_port={free_port()}"] if ranks > 1 else [])
+            cmds.append(Command([*launcher, *port, script, "--variant", variant, *steps,
                                  "--output", str(out)], label=f"lora_llama {variant}@{ds}",
                                 env=env, output=out))
     return cmds
@@ -527,7 +557,7 @@ register(Benchmark(
     description="1 B Llama + PEFT LoRA: ms/step, tokens/s, peak GiB, TFLOP/s per variant "
                 "(checkpointing modes, ours vs upstream DeepSpeed, DeepCompile)",
     baseline=("upstream", "none", "plain"), commands=_lora_commands, run=_lora_run,
-    smoke=_lora_smoke))
+    smoke=_lora_smoke, multi_gpu=True))
 
 
 # ----------------------------------------------------------------------------------- CLI
@@ -538,7 +568,7 @@ def run_benchmark(bench: Benchmark, ctx: BenchContext) -> Path:
     start = time.monotonic()
     result = (bench.smoke if ctx.smoke else bench.run)(ctx)
     finish_result(bench, result, ctx)
-    path = write_result(result, ctx.output_dir / f"{bench.name}.json")
+    path = write_result(result, ctx.output_dir / f"{result['bench']}.json")
     log.info("%s: done in %.1f s, wrote %s", bench.name, time.monotonic() - start, path)
     return path
 
@@ -589,11 +619,16 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps (benchmark's default)")
     p.add_argument("--repeats", type=int, default=None, help="repeated runs where a benchmark "
                                                                "repeats whole processes")
-    p.add_argument("--ranks", type=int, default=None, help="ranks (native_micro)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="ranks, one GPU each (native_micro; lora_llama: runs under "
+                        "torch.distributed.run and writes lora_llama_ws<N>.json)")
     p.add_argument("--deepspeed-path", action="append", default=[], metavar="VERSION=PATH",
                    help="another DeepSpeed to run 'ours' on, prepended to PYTHONPATH (e.g. "
                         "0.19.2=/tmp/ds192); repeatable")
     p.add_argument("--timeout", type=float, default=3600.0, help="per process, seconds")
+    p.add_argument("--no-report", action="store_true",
+                   help="do not regenerate the README table and plot afterwards (a full run "
+                        "into bench/results does by default)")
     p.add_argument("-v", "--verbose", action="store_true", help="DEBUG logging")
     return p
 
@@ -619,17 +654,24 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
                        extra_deepspeed=_parse_extra(args.deepspeed_path), timeout=args.timeout)
     if args.dry_run:
         for name in names:
-            print(f"# {name}")
-            for cmd in benches[name].commands(ctx):
-                print(cmd.shell())
+            for run_ctx in contexts_for(benches[name], ctx):
+                print(f"# {name}" + (f" ({run_ctx.ranks} ranks)" if run_ctx.ranks else ""))
+                for cmd in benches[name].commands(run_ctx):
+                    print(cmd.shell())
         return 0
     code = 0
     for name in names:
-        try:
-            path = run_benchmark(benches[name], ctx)
-        except Exception:  # noqa: BLE001 - one failing benchmark does not stop the others
-            log.exception("%s failed", name)
-            code = 1
-            continue
-        print(format_runs(json.loads(path.read_text())))
+        for run_ctx in contexts_for(benches[name], ctx):
+            try:
+                path = run_benchmark(benches[name], run_ctx)
+            except Exception:  # noqa: BLE001 - one failing benchmark does not stop the others
+                log.exception("%s failed", name)
+                code = 1
+                continue
+            print(format_runs(json.loads(path.read_text())))
+    if not ctx.smoke and not args.no_report and ctx.output_dir.resolve() == RESULTS_DIR.resolve():
+        from bench import report
+
+        log.info("regenerating the README table and plot from %s", RESULTS_DIR)
+        code = report.main([]) or code
     return code

@@ -240,6 +240,54 @@ def test_lora_merge_keeps_one_setup_per_file(tmp_path: Path) -> None:
     assert merged["runs"]["dc-ckpt@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(10.0)
 
 
+def test_two_gpu_lora_runs_get_their_own_result_and_table(tmp_path: Path) -> None:
+    from bench.lora_llama import merge
+
+    def record(variant: str, median: float, peak: float) -> Path:
+        path = tmp_path / f"{variant}.json"
+        path.write_text(json.dumps({
+            "variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": peak,
+            "step_ms": {"median": median, "min": median, "max": median},
+            "setup": {"size": "1b", "world_size": 2, "seq": 1024, "micro_batch": 4,
+                      "device": "NVIDIA H200", "checkpointing": "non-reentrant",
+                      "deepcompile": variant.startswith("dc")}}))
+        return path
+
+    results = tmp_path / "results"
+    merged = merge([record("upstream", 900.0, 3.0), record("dc-ckpt", 150.0, 3.3)],
+                   results / "lora_llama_ws2.json")
+    assert merged["bench"] == "lora_llama_ws2"
+    block = report.render_block(report.load_results(results))
+    # The LoRA table (its own title and speedup column), not the generic one.
+    assert "**LoRA fine-tune step**" in block and "2 GPU(s)" in block
+    row = next(ln for ln in block.splitlines() if ln.startswith("| dc-ckpt |"))
+    assert "6.00x vs `upstream`, peak 1.10x" in row
+
+
+def test_suite_runs_lora_on_two_gpus_under_torchrun() -> None:
+    r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--ranks", "2"],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    cmds = [ln for ln in r.stdout.splitlines() if "lora_llama.py" in ln]
+    assert cmds and all("-m torch.distributed.run --nproc_per_node=2 --master_port=" in c
+                        for c in cmds)
+    variants = {c.split("--variant ")[1].split()[0] for c in cmds}
+    assert "plain" not in variants and {"none", "upstream", "dc", "dc-ckpt"} <= variants
+
+
+def test_a_full_lora_run_adds_two_gpus_where_the_host_has_them(tmp_path: Path) -> None:
+    from bench.suite import BenchContext, contexts_for, registry
+
+    benches = registry()
+    full = BenchContext(output_dir=tmp_path)
+    assert [c.ranks for c in contexts_for(benches["lora_llama"], full, gpus=2)] == [None, 2]
+    assert [c.ranks for c in contexts_for(benches["lora_llama"], full, gpus=1)] == [None]
+    # Asked for explicitly, in smoke mode, or a one-GPU benchmark: as asked.
+    assert [c.ranks for c in contexts_for(benches["lora_llama"], BenchContext(tmp_path, ranks=4), 2)] == [4]
+    assert [c.ranks for c in contexts_for(benches["lora_llama"], BenchContext(tmp_path, smoke=True), 2)] == [None]
+    assert [c.ranks for c in contexts_for(benches["native_micro"], full, gpus=2)] == [None]
+
+
 def test_native_micro_reads_nccls_coll_log_format() -> None:
     # Lines in the format NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL writes (host:pid:tid [rank] NCCL
     # INFO <Op>: opCount <hex> ... count <n> datatype <ncclDataType_t> ... [nranks=<n>] stream ...),

@@ -20,7 +20,6 @@ import math
 import os
 import queue as queue_mod
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, TextIO
 
+from ._net import free_port
 from .models import DEFAULT_SIZE, MODEL_SIZES, ModelSize
 
 __all__ = ["DemoOptions", "DemoResult", "DemoRefused", "run_demo", "format_summary",
@@ -245,12 +245,6 @@ def _rank_main(rank: int, world: int, port: int, cuda: bool, opts: DemoOptions,
 
 # ---- the parent ----------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _check_dependencies() -> None:
     import importlib.util
 
@@ -383,7 +377,7 @@ def run_demo(opts: DemoOptions, stream: Optional[TextIO] = None) -> DemoResult:
     start = time.monotonic()
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, cuda, opts, events, log_dir),
                          name=f"ds-z3native-demo-rank{r}", daemon=False) for r in range(world)]
     for p in procs:

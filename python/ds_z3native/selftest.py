@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Dict, List
+
+from ._net import free_port
 
 __all__ = ["Check", "run_selftest"]
 
@@ -33,12 +34,6 @@ class Check:
 @dataclass
 class _RankResult:
     checks: List[Check] = field(default_factory=list)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -131,7 +126,7 @@ def run_selftest(world_size: int = 2, timeout: float = 120.0) -> List[Check]:
 
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_rank, args=(world_size, _free_port(), out_dir), nprocs=world_size,
+        ctx = mp.start_processes(_rank, args=(world_size, free_port(), out_dir), nprocs=world_size,
                                  join=False, start_method="spawn")
         try:
             while not ctx.join(timeout=timeout):

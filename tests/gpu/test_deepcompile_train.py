@@ -1,4 +1,5 @@
-"""DeepCompile ZeRO-3 training with frozen params on one GPU, with ds_z3native installed.
+"""DeepCompile ZeRO-3 training with frozen params on one GPU (and on two where the host has them),
+with ds_z3native installed.
 
 Each training run is its own process (``bench/deepcompile_run.py``): dynamo caches, the
 DeepCompile handle, DeepSpeed's hooks and the native runtime are process-wide. The correctness
@@ -36,9 +37,28 @@ RUNS: Dict[str, Tuple[str, ...]] = {
 }
 
 
+# World size 2 (torchrun, one GPU per rank, NCCL): every rank trains on the same batches, so the
+# averaged gradient equals the one-process gradient and the ZeRO-0 eager run on one GPU is the
+# reference. Each param is sharded across the two ranks (odd sizes padded), gathered and reduce-
+# scattered by NCCL.
+RUNS_WS2: Dict[str, Tuple[str, ...]] = {
+    "seed-fp32-dc-ws2": RUNS["seed-fp32-dc"],
+    "reuse3-fp32-dc-ws2": RUNS["reuse3-fp32-dc"],
+}
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 @pytest.fixture(scope="module")
 def runs() -> Dict[str, Dict[str, Any]]:
-    return run_together({name: (args, STEPS) for name, args in RUNS.items()})
+    everything = {name: (args, STEPS) for name, args in RUNS.items()}
+    if _gpus() >= 2:
+        everything.update({name: (args, STEPS) for name, args in RUNS_WS2.items()})
+    return run_together(everything, nprocs={name: 2 for name in RUNS_WS2})
 
 
 def _trained(result: Dict[str, Any]) -> Dict[str, Any]:
@@ -100,6 +120,26 @@ def test_seed_repro_trains_under_deepcompile_and_matches_eager(runs: Dict[str, A
 def test_frozen_layer_used_three_times_matches_eager(runs: Dict[str, Any]) -> None:
     compiled, eager = _check_training(runs, "reuse3-fp32")
     _assert_matches(compiled, eager, FP32_RTOL, FP32_ATOL)
+
+
+@pytest.mark.parametrize("key", ["seed-fp32", "reuse3-fp32"])
+def test_two_gpus_train_under_deepcompile_like_zero0_eager(runs: Dict[str, Any], key: str) -> None:
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    compiled, eager = _trained(runs[f"{key}-dc-ws2"]), _trained(runs[f"{key}-eager"])
+    assert compiled["world_size"] == 2 and compiled["install"]["verdict"] == "supported"
+    (rank1,) = compiled["other_ranks"]
+    assert rank1["rank"] == 1 and "error" not in rank1, rank1.get("error")
+    # Same batches on both ranks: the same losses, and the same params once gathered.
+    import torch
+
+    torch.testing.assert_close(torch.tensor(rank1["losses"]), torch.tensor(compiled["losses"]),
+                               rtol=1e-6, atol=0.0)
+    assert rank1["params"] == compiled["params"]
+    _assert_matches(compiled, eager, FP32_RTOL, FP32_ATOL)
+    diffs = [abs(a - b) / abs(b) for a, b in zip(compiled["losses"], eager["losses"])]
+    print(f"\n[{key} ws2] DeepSpeed {compiled['deepspeed']}: max relative loss difference vs ZeRO-0 "
+          f"eager on one GPU {max(diffs):.2e}")
 
 
 def test_param_unfrozen_after_compile_raises_our_error(runs: Dict[str, Any]) -> None:

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
+from ds_z3native._net import free_port
+
 __all__ = ["RUNNER", "start", "collect", "run_alone", "run_together"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,13 +25,21 @@ WATCHDOG_S = 600
 
 
 def start(args: Iterable[str], tmp: Path, name: str, steps: int, fresh_caches: bool = False,
-          env: Optional[Mapping[str, str]] = None) -> Tuple[subprocess.Popen, Path]:
-    """Launch one run writing ``tmp/<name>.json`` (log: ``tmp/<name>.log``)."""
+          env: Optional[Mapping[str, str]] = None, nproc: int = 1) -> Tuple[subprocess.Popen, Path]:
+    """Launch one run writing ``tmp/<name>.json`` (log: ``tmp/<name>.log``). ``nproc`` > 1:
+    that many ranks under ``torch.distributed.run`` (one GPU each); rank r > 0 writes
+    ``tmp/<name>.json.rank<r>``."""
     out = tmp / f"{name}.json"
-    run_env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "DS_Z3NATIVE")}
+    launcher_keys = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                     "LOCAL_WORLD_SIZE", "DS_Z3NATIVE")
+    run_env = {k: v for k, v in os.environ.items() if k not in launcher_keys}
     run_env["PYTHONUNBUFFERED"] = "1"
     run_env.update(env or {})
-    cmd = [sys.executable, str(RUNNER), *args, "--steps", str(steps), "--json", str(out),
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                     f"--master_port={free_port()}"]
+    cmd = [*launcher, str(RUNNER), *args, "--steps", str(steps), "--json", str(out),
            "--watchdog-s", str(WATCHDOG_S)]
     if fresh_caches:
         run_env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / f"{name}-inductor")
@@ -39,7 +49,8 @@ def start(args: Iterable[str], tmp: Path, name: str, steps: int, fresh_caches: b
 
 
 def collect(proc: subprocess.Popen, out: Path, timeout: float = TIMEOUT_S) -> Dict[str, Any]:
-    """Wait for a run; its result with ``log_tail`` (the last 3000 characters of its log)."""
+    """Wait for a run; rank 0's result with ``log_tail`` (the last 3000 characters of its log)
+    and ``other_ranks`` (the results of ranks 1, 2, ... of a multi-rank run, in rank order)."""
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -52,6 +63,8 @@ def collect(proc: subprocess.Popen, out: Path, timeout: float = TIMEOUT_S) -> Di
     assert out.exists(), f"runner died (rc {proc.returncode}):\n{log}"
     result = json.loads(out.read_text())
     result["log_tail"] = log
+    others = sorted(out.parent.glob(out.name + ".rank*"), key=lambda p: int(p.name.rsplit("rank", 1)[1]))
+    result["other_ranks"] = [json.loads(p.read_text()) for p in others]
     return result
 
 
@@ -63,11 +76,13 @@ def run_alone(name: str, args: Iterable[str], steps: int, fresh_caches: bool = F
 
 
 def run_together(runs: Mapping[str, Tuple[Iterable[str], int]],
-                 env: Optional[Mapping[str, str]] = None) -> Dict[str, Dict[str, Any]]:
+                 env: Optional[Mapping[str, str]] = None,
+                 nprocs: Optional[Mapping[str, int]] = None) -> Dict[str, Dict[str, Any]]:
     """Start every ``name -> (args, steps)`` at once (the compiles are CPU-bound and overlap),
-    then collect them all."""
+    then collect them all. ``nprocs``: ranks per run name (default 1)."""
     with tempfile.TemporaryDirectory() as tmp:
-        started = {name: start(args, Path(tmp), name, steps, env=env)
+        started = {name: start(args, Path(tmp), name, steps, env=env,
+                               nproc=(nprocs or {}).get(name, 1))
                    for name, (args, steps) in runs.items()}
         t0 = time.perf_counter()
         results = {name: collect(*p) for name, p in started.items()}

@@ -184,10 +184,12 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.6", "packaging"],
     extras_require={
-        "test": ["pytest>=7", "expecttest", "deepspeed>=0.19.0,<0.20"],
-        "demo": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12", "tqdm>=4.60"],
+        # scipy: DeepCompile's prefetch pass interpolates its all-gather profile with it.
+        "test": ["pytest>=7", "expecttest", "deepspeed>=0.19.0,<0.20", "scipy>=1.7"],
+        "demo": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12", "tqdm>=4.60",
+                 "scipy>=1.7"],
         "bench": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12",
-                  "matplotlib>=3.5"],
+                  "matplotlib>=3.5", "scipy>=1.7"],
     },
     entry_points={"console_scripts": ["ds-z3native=ds_z3native.cli:main"]},
     zip_safe=False,

@@ -40,6 +40,17 @@ log = logging.getLogger("bench.deepcompile_run")
 
 WIDTH = 64
 BATCH = 8
+_WATCHDOG_OUT = None  # where the watchdog writes (kept open for the process's life)
+
+
+def arm_watchdog(seconds: float) -> None:
+    """Past ``seconds``, print every thread's stack to stderr and exit with 1 (a hang becomes a
+    diagnosable failure). The dump goes to a copy of the stderr descriptor taken now: libraries
+    point fd 2 elsewhere for a while (DeepSpeed's op builder compiles a probe program with fd 2
+    sent to a temporary file), and a dump written then would be lost."""
+    global _WATCHDOG_OUT
+    _WATCHDOG_OUT = os.fdopen(os.dup(sys.stderr.fileno()), "w")
+    faulthandler.dump_traceback_later(seconds, exit=True, file=_WATCHDOG_OUT)
 
 
 def _launcher_env() -> None:
@@ -330,7 +341,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.watchdog_s:
-        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
+        arm_watchdog(args.watchdog_s)
     result: Dict[str, Any] = {"args": vars(args)}
     try:
         run(args, result)

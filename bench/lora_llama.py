@@ -20,6 +20,8 @@ whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
 * ``dc-ckpt-lowmem``: ``dc-ckpt`` with ``ds_z3native.set_persistence_budget(0)``: DeepCompile's
   selective gather keeps no param gathered between uses (DeepCompile registers every param
   non-persistent, norm weights included);
+* ``dc-ckpt-lean``: ``dc-ckpt-lowmem`` with ``ds_z3native.set_prefetch_budget(0)`` as well: each
+  param is gathered just before its first use (DeepSpeed prefetches up to 4e9 bytes ahead);
 * ``dc-upstream``: DeepCompile ZeRO-3 with DeepSpeed's own op (JIT-built), no checkpointing.
 
 DeepCompile variants run ``--dc-steps`` steps (default 20) and report the time from
@@ -64,13 +66,15 @@ from packaging.version import Version
 log = logging.getLogger("bench.lora_llama")
 
 VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-ckpt", "dc-ckpt-lowmem",
+            "dc-ckpt-lean",
             "dc-upstream")
 CHECKPOINTING = {"plain": "none", "none": "none", "upstream": "non-reentrant",
                  "ours": "non-reentrant", "reentrant": "reentrant", "dc": "none",
                  "dc-ckpt": "non-reentrant", "dc-ckpt-lowmem": "non-reentrant",
+                 "dc-ckpt-lean": "non-reentrant",
                  "dc-upstream": "none"}
-DEEPCOMPILE = ("dc", "dc-ckpt", "dc-ckpt-lowmem", "dc-upstream")
-OURS_DC = ("dc", "dc-ckpt", "dc-ckpt-lowmem")
+DEEPCOMPILE = ("dc", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream")
+OURS_DC = ("dc", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
 SIZES: Dict[str, Dict[str, int]] = {
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -231,8 +235,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         import ds_z3native  # before DeepSpeed builds anything: its loader gets our op
 
         ds_z3native.install()
-        if variant == "dc-ckpt-lowmem":
+        if variant in ("dc-ckpt-lowmem", "dc-ckpt-lean"):
             ds_z3native.set_persistence_budget(0)
+        if variant == "dc-ckpt-lean":
+            ds_z3native.set_prefetch_budget(0)
     import deepspeed
 
     if on_gpu:
@@ -294,7 +300,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "dtype": dtype_name, "micro_batch": args.micro_batch, "seq": args.seq,
         "world_size": world_size, "device": device_name,
         "checkpointing": CHECKPOINTING[variant], "deepcompile": deepcompile,
-        "persistence_budget_mb": 0 if variant == "dc-ckpt-lowmem" else None,
+        "persistence_budget_mb": 0 if variant in ("dc-ckpt-lowmem", "dc-ckpt-lean") else None,
+        "prefetch_budget_mb": 0 if variant == "dc-ckpt-lean" else None,
         "zero": None if variant == "plain" else 3,
         "deepspeed_config": None if variant == "plain" else config,
     }
@@ -357,6 +364,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         import torch._dynamo.utils
 
         record["graph_breaks"] = int(sum(torch._dynamo.utils.counters["graph_break"].values()))
+        # Whether a warm cache could help: inductor's FX-graph and AOTAutograd cache outcomes.
+        record["compile_caches"] = {
+            k: int(v) for k, v in sorted(torch._dynamo.utils.counters["inductor"].items())
+            if k.startswith(("fxgraph_cache", "aot_autograd_cache"))} or None
+        record["compile_caches_aot"] = {
+            k: int(v) for k, v in sorted(torch._dynamo.utils.counters["aot_autograd"].items())
+            if "cache" in k} or None
         if variant in OURS_DC:
             import ds_z3native
 

@@ -190,12 +190,13 @@ def _native_micro(result: Mapping[str, Any]) -> List[str]:
 
 
 _LORA_ORDER = ("plain", "none", "upstream", "reentrant", "ours", "dc", "dc-ckpt", "dc-ckpt-lowmem",
-               "dc-upstream")
+               "dc-ckpt-lean", "dc-upstream")
 _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "upstream": "eager ZeRO-3, DeepSpeed's own", "reentrant": "eager ZeRO-3",
               "ours": "eager ZeRO-3 + ds_z3native holds", "dc": "DeepCompile + ds_z3native",
               "dc-ckpt": "DeepCompile + ds_z3native",
               "dc-ckpt-lowmem": "DeepCompile + ds_z3native, persistence budget 0",
+              "dc-ckpt-lean": "DeepCompile + ds_z3native, persistence and prefetch budgets 0",
               "dc-upstream": "DeepCompile, DeepSpeed's JIT op"}
 
 

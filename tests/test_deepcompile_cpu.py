@@ -17,7 +17,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-from helpers.dc_runner import run_alone
+from helpers.dc_runner import RUNNER, run_alone
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -168,6 +168,24 @@ def test_use_cache_turned_off_for_training_is_not_saved(tmp_path) -> None:  # ty
         assert saved_use_cache("ours") is True
     finally:
         ds_z3native.uninstall()
+
+
+def test_the_watchdog_dump_survives_a_redirected_stderr() -> None:
+    # DeepSpeed's op builder sends fd 2 to a temporary file while it compiles a probe program; a
+    # watchdog firing then (CI, under load) left an empty log. The dump goes to its own copy.
+    import subprocess
+    import sys
+
+    code = ("import os, sys, time\n"
+            f"sys.path.insert(0, {str(RUNNER.parent)!r})\n"
+            "import deepcompile_run\n"
+            "deepcompile_run.arm_watchdog(1)\n"
+            "os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # as the op builder's probe does\n"
+            "time.sleep(30)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Timeout (0:00:01)!" in r.stderr, r.stderr
+    assert "most recent call first" in r.stderr and 'File "<string>"' in r.stderr, r.stderr
 
 
 def test_a_hung_run_fails_with_its_stacks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,17 +22,13 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch.multiprocessing as mp
 
+from ds_z3native._net import free_port
+
 __all__ = ["run_ranks", "free_port", "run_python", "RankFailed"]
 
 
 class RankFailed(AssertionError):
     """A rank raised, died or hung."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,

@@ -1,0 +1,143 @@
+"""The ``deepcompile-prefetch-budget`` patch: DeepSpeed's own ``schedule_prefetch`` pass, run on a
+DeepCompile-shaped graph (six params gathered, waited for, used and released in turn), places the
+prefetches as far ahead as DeepSpeed allows without a budget, and each just before its gather with
+``set_prefetch_budget(0)``.
+
+DeepCompile plans prefetches from profiled memory and a timed all-gather, which only a CUDA run
+produces (on the CPU the pass skips itself). The graph and its profile here are what DeepCompile
+hands the pass, written out: no param's memory binds, and the all-gather time does not grow with
+size (every fusion pays), so DeepSpeed's window holds all six gathers.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+from helpers.dist import run_ranks
+
+pytestmark = pytest.mark.deepspeed
+
+GRAPH_ID = 7
+N_PARAMS = 6
+PARAM_BYTES = 1 << 20
+
+
+def _graph() -> Any:
+    import torch
+    from torch.fx import Graph
+
+    ops = torch.ops.dc
+    g = Graph()
+    params = [g.placeholder(f"p{i}") for i in range(N_PARAMS)]
+    x = g.placeholder("x")
+    for i, p in enumerate(params):
+        ag = g.call_function(ops.allgather_param.default, (p, GRAPH_ID, i))
+        w = g.call_function(ops.wait_allgather.default, (ag, GRAPH_ID, i))
+        x = g.call_function(torch.ops.aten.add.Tensor, (x, w))
+        g.call_function(ops.release_param.default, (w, GRAPH_ID, i, 1))
+    g.output(x)
+    return g
+
+
+def _profile(graph: Any) -> SimpleNamespace:
+    import torch
+
+    nodes = list(graph.nodes)
+    return SimpleNamespace(
+        process_group=None, fwd_graph=graph, fwd_mem_complete=True,
+        fwd_mem=[(n.name, 0, 0, 0) for n in nodes],
+        fwd_time=[(n.name, 1.0, 1.0) for n in nodes],
+        fwd_tensor_sizes=[(n.name, PARAM_BYTES) for n in nodes
+                          if n.target is torch.ops.dc.allgather_param.default])
+
+
+def _schedule(rank: int, world_size: int, install: bool, budget_mib: Optional[float]) -> Dict[str, Any]:
+    """Run DeepSpeed's schedule_prefetch; for each prefetch group: its ds_ids and how many nodes
+    lie between it and the gather of its first param."""
+    import deepspeed
+    import torch
+    from torch.fx import GraphModule
+
+    import ds_z3native
+
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    # The pass only ever runs on CUDA; DeepSpeed's CPU accelerator names its device "0", which
+    # torch.device() refuses, so name the CPU device for it.
+    accelerator = get_accelerator()
+    accelerator.current_device = lambda: "cpu"
+    ds_z3native.native()  # torch.ops.dc
+    if install:
+        ds_z3native.install()
+    ds_z3native.set_prefetch_budget(budget_mib)
+    from deepspeed.compile.passes import prefetch
+    from deepspeed.compile.profilers import comm_profile
+
+    # DeepSpeed caches its timed all-gather profile here (a CUDA measurement): size -> seconds.
+    comm_profile.profile_results = [(1, 1e-3), (1 << 34, 1e-3)]
+    default_window = prefetch.MAX_BUFFERED_SIZE
+    graph = _graph()
+    gm = GraphModule(torch.nn.Module(), graph)
+    out = prefetch.schedule_prefetch(gm, GRAPH_ID, [(GRAPH_ID, False)], {GRAPH_ID: _profile(graph)},
+                                     None, 0.0, None, False)
+    nodes = list(out.graph.nodes)
+    gathers = {n.args[2]: i for i, n in enumerate(nodes)
+               if n.target is torch.ops.dc.allgather_param.default}
+    groups: List[Dict[str, Any]] = []
+    for i, n in enumerate(nodes):
+        if n.target is torch.ops.dc.prefetch_params_fused.default:
+            ids = list(n.args[2])
+            groups.append({"ids": ids, "ahead": gathers[ids[0]] - i})
+    return {"groups": groups, "window_after": prefetch.MAX_BUFFERED_SIZE,
+            "default_window": default_window}
+
+
+def _run(install: bool, budget_mib: Optional[float]) -> Dict[str, Any]:
+    return run_ranks(_schedule, 1, install, budget_mib, env={"DS_ACCELERATOR": "cpu"},
+                     timeout=240.0)[0]
+
+
+def test_without_a_budget_deepspeed_prefetches_every_gather_up_front() -> None:
+    r = _run(install=True, budget_mib=None)
+    # One fused group of all six, placed before the first gather.
+    assert [sorted(g["ids"]) for g in r["groups"]] == [list(range(N_PARAMS))]
+    assert r["window_after"] == r["default_window"] == 4e9
+
+
+def test_a_zero_budget_gathers_each_param_just_before_its_use() -> None:
+    r = _run(install=True, budget_mib=0)
+    assert [g["ids"] for g in r["groups"]] == [[i] for i in range(N_PARAMS)]
+    assert all(g["ahead"] == 1 for g in r["groups"]), r["groups"]
+    assert r["window_after"] == r["default_window"]  # the constant is restored after the pass
+
+
+def test_a_budget_bounds_the_bytes_in_flight() -> None:
+    # 2.5 MiB: at most two 1 MiB params may be outstanding ahead of their use.
+    r = _run(install=True, budget_mib=2.5)
+    assert sorted(i for g in r["groups"] for i in g["ids"]) == list(range(N_PARAMS))
+    assert len(r["groups"]) > 1 and all(len(g["ids"]) <= 3 for g in r["groups"]), r["groups"]
+
+
+def test_the_budget_is_ours_deepspeed_alone_ignores_it() -> None:
+    r = _run(install=False, budget_mib=0)
+    assert [sorted(g["ids"]) for g in r["groups"]] == [list(range(N_PARAMS))]
+
+
+def test_bad_budgets_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ds_z3native
+    from ds_z3native.compat.deepcompile_prefetch import prefetch_budget_bytes
+
+    for bad in (-1, float("nan"), "10", True, 1e12):
+        with pytest.raises(ValueError, match="set_prefetch_budget"):
+            ds_z3native.set_prefetch_budget(bad)  # type: ignore[arg-type]
+    monkeypatch.setenv(ds_z3native.PREFETCH_BUDGET_ENV, "lots")
+    with pytest.raises(ValueError, match="DS_Z3NATIVE_PREFETCH_BUDGET_MB"):
+        prefetch_budget_bytes()
+    monkeypatch.setenv(ds_z3native.PREFETCH_BUDGET_ENV, "1.5")
+    assert prefetch_budget_bytes() == 1572864
+    ds_z3native.set_prefetch_budget(None)
+    assert prefetch_budget_bytes() is None

@@ -11,6 +11,7 @@ purpose: it is the deadlock (a run of it hung here once). Patched, they do not p
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List
 
 import pytest
@@ -55,8 +56,19 @@ def _collectives_under_python_dispatch(rank: int, world_size: int) -> Dict[str, 
         with unset_fake_temporarily():
             total = torch.tensor([rank + 1])
         ds_dist.all_reduce(total)
+    # ...and inside a torch.compile session, as a backend runs them: torch.compiler.is_compiling()
+    # is True there (the patch's first check was that, and let this deadlock through: a CI hang).
+    session = getattr(torch.compiler, "_compile_session_context", contextlib.nullcontext)
+    in_session = Recording()
+    with session():
+        compiling = torch.compiler.is_compiling()
+        with enable_python_dispatcher(), in_session:
+            smallest = torch.tensor([rank + 5])
+            ds_dist.all_reduce(smallest, op=ds_dist.ReduceOp.MIN)
     return {"ops": seen.ops, "max": int(biggest.item()), "gathered": gathered.tolist(),
-            "broadcast": float(shared.item()), "sum": int(total.item())}
+            "broadcast": float(shared.item()), "sum": int(total.item()),
+            "session_ops": in_session.ops, "session_is_compiling": compiling,
+            "min": int(smallest.item())}
 
 
 def test_patched_collectives_skip_python_dispatch_and_compute_the_same() -> None:
@@ -66,6 +78,9 @@ def test_patched_collectives_skip_python_dispatch_and_compute_the_same() -> None
         assert result["gathered"] == [0.0, 1.0]
         assert result["broadcast"] == 11.0
         assert result["sum"] == 3
+        assert [op for op in result["session_ops"] if op.startswith("c10d.")] == []
+        assert result["min"] == 5
+    assert result["session_is_compiling"] or not hasattr(torch.compiler, "_compile_session_context")
 
 
 def test_only_real_cpu_tensors_are_taken_out_of_python_dispatch() -> None:

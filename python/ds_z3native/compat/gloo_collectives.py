@@ -74,8 +74,11 @@ def outside_python_dispatch(collective: Callable) -> Callable:
     from torch.utils._python_dispatch import _disable_current_modes
 
     def collective_outside_python_dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # is_compiling() first: Dynamo traces it as a constant, the rest it cannot trace.
-        if (torch.compiler.is_compiling() or not python_dispatch_active()
+        # is_dynamo_compiling() first: Dynamo traces it as a constant True (the rest it cannot
+        # trace) and it is False when this runs. Not is_compiling(): that flag stays True for a
+        # whole torch.compile session, backends included, which is where DeepCompile's passes
+        # issue their collectives.
+        if (torch.compiler.is_dynamo_compiling() or not python_dispatch_active()
                 or not _real_cpu_tensors(args, kwargs)):
             return collective(self, *args, **kwargs)
         with torch._C._DisablePythonDispatcher(), _disable_current_modes():

@@ -57,9 +57,14 @@ def collect(proc: subprocess.Popen, out: Path, timeout: float = TIMEOUT_S) -> Di
         proc.kill()
         proc.wait()
     text = out.with_suffix(".log").read_text()
-    # A watchdog dump: keep its first stack (the main thread's) whole.
+    # A watchdog dump: keep its first stack (the main thread's, up to faulthandler's 100 frames)
+    # whole.
     dump = text.find("Timeout (0:")
-    log = text[dump:dump + 6000] if dump >= 0 and not out.exists() else text[-3000:]
+    if dump >= 0 and not out.exists():
+        second = text.find("\nThread 0x", text.find("Thread 0x", dump) + 1)
+        log = text[dump:second if second > 0 else dump + 20000]
+    else:
+        log = text[-3000:]
     assert out.exists(), f"runner died (rc {proc.returncode}):\n{log}"
     result = json.loads(out.read_text())
     result["log_tail"] = log

@@ -241,6 +241,7 @@ class BenchContext:
     extra_deepspeed: Dict[str, str] = dataclasses.field(default_factory=dict)
     timeout: float = 3600.0
     work_root: Optional[Path] = None  # logs and intermediate files; a new temp dir by default
+    variants: Optional[List[str]] = None  # lora_llama: only these, merged into the existing result
 
     @property
     def work_dir(self) -> Path:
@@ -492,9 +493,11 @@ def _lora_commands(ctx: BenchContext) -> List[Command]:
     if ranks > 1:  # one process per GPU; plain PyTorch (no ZeRO) is a one-GPU ceiling only
         launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}"]
         variants = tuple(v for v in variants if v != "plain")
+    if ctx.variants:
+        variants = tuple(v for v in variants if v in ctx.variants)
     for ds, env in _deepspeed_envs(ctx):
         # Another DeepSpeed is there for ds_z3native's fix on it: only "ours" runs on it.
-        for variant in (variants if not env else ("ours",)):
+        for variant in (variants if not env else tuple(v for v in ("ours",) if v in variants)):
             out = ctx.work_dir / "lora" / f"{variant}-{ds}.json"
             port = ([f"--master_port={free_port()}"] if ranks > 1 else [])
             cmds.append(Command([*launcher, *port, script, "--variant", variant, *steps,
@@ -508,9 +511,22 @@ def _lora_merge(cmds: Sequence[Command], ctx: BenchContext, script: str) -> Dict
     merged = ctx.work_dir / "lora" / "merged.json"
     if merged.exists():
         merged.unlink()
+    existing = ctx.output_dir / f"{_lora_result_name(ctx)}.json"
+    if ctx.variants and existing.exists():
+        # Some variants re-run: the file's other runs stay, its footnote says what changed.
+        previous = json.loads(existing.read_text())
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+        previous["note"] = (str(previous.get("note", "")).rstrip() + f" Re-run {stamp}: "
+                            + ", ".join(ctx.variants) + ".").strip()
+        merged.parent.mkdir(parents=True, exist_ok=True)
+        merged.write_text(json.dumps(previous))
     if inputs:
-        run_command(Command([sys.executable, script, "merge", *inputs, "--output", str(merged)],
-                            label="lora_llama merge"), ctx.work_dir / "logs", ctx.timeout)
+        code = run_command(Command([sys.executable, script, "merge", *inputs, "--output",
+                                    str(merged)], label="lora_llama merge"),
+                           ctx.work_dir / "logs", ctx.timeout)
+        if code != 0:  # e.g. runs of another setup than the file's: nothing is merged
+            raise RuntimeError(f"lora_llama merge failed (exit {code}); see "
+                               f"{ctx.work_dir / 'logs' / 'lora_llama_merge.log'}")
     result = _read_json(merged) or {"runs": {}}
     for cmd in cmds:  # a run that wrote nothing is a failed run too
         if cmd.output is None or not cmd.output.exists():
@@ -522,6 +538,11 @@ def _lora_merge(cmds: Sequence[Command], ctx: BenchContext, script: str) -> Dict
         result.setdefault("setup", first["setup"])
         result.setdefault("versions", first.get("versions"))
     return result
+
+
+def _lora_result_name(ctx: BenchContext) -> str:
+    ranks = ctx.ranks or 1
+    return "lora_llama" if ranks <= 1 else f"lora_llama_ws{ranks}"
 
 
 def _lora_run(ctx: BenchContext) -> Dict[str, Any]:
@@ -626,6 +647,9 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                    help="another DeepSpeed to run 'ours' on, prepended to PYTHONPATH (e.g. "
                         "0.19.2=/tmp/ds192); repeatable")
     p.add_argument("--timeout", type=float, default=3600.0, help="per process, seconds")
+    p.add_argument("--variants", default=None, metavar="A,B",
+                   help="lora_llama: run only these variants and merge them into the existing "
+                        "result file (its other runs stay)")
     p.add_argument("--no-report", action="store_true",
                    help="do not regenerate the README table and plot afterwards (a full run "
                         "into bench/results does by default)")
@@ -649,9 +673,19 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
         print(f"unknown benchmark {unknown[0]!r}; known: {', '.join(sorted(benches))}",
               file=sys.stderr)
         return 2
+    variants = None
+    if args.variants is not None:
+        _, known = _lora_script()
+        variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown_variants = [v for v in variants if v not in known]
+        if names != ["lora_llama"] or not variants or unknown_variants or args.smoke:
+            print(f"--variants applies to a full lora_llama run and takes names from "
+                  f"{', '.join(known)}; got {args.variants!r} for {args.name!r}", file=sys.stderr)
+            return 2
     ctx = BenchContext(output_dir=args.output_dir or (SMOKE_DIR if args.smoke else RESULTS_DIR),
                        smoke=args.smoke, steps=args.steps, repeats=args.repeats, ranks=args.ranks,
-                       extra_deepspeed=_parse_extra(args.deepspeed_path), timeout=args.timeout)
+                       extra_deepspeed=_parse_extra(args.deepspeed_path), timeout=args.timeout,
+                       variants=variants)
     if args.dry_run:
         for name in names:
             for run_ctx in contexts_for(benches[name], ctx):

@@ -288,6 +288,49 @@ def test_a_full_lora_run_adds_two_gpus_where_the_host_has_them(tmp_path: Path) -
     assert [c.ranks for c in contexts_for(benches["native_micro"], full, gpus=2)] == [None]
 
 
+def test_some_lora_variants_rerun_into_the_existing_result(tmp_path: Path) -> None:
+    from bench.suite import BenchContext, Command, _lora_merge, _lora_script
+
+    script, _ = _lora_script()
+    setup = {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4, "device": "NVIDIA H200"}
+
+    def record(variant: str, median: float) -> Dict[str, Any]:
+        return {"variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 4.0,
+                "step_ms": {"median": median, "min": median, "max": median}, "setup": setup}
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "lora_llama.json").write_text(json.dumps({
+        "bench": "lora_llama", "note": "Measured on day one.",
+        "runs": {"upstream@0.19.8": record("upstream", 1200.0), "dc@0.19.8": record("dc", 300.0)}}))
+    new = tmp_path / "dc-ckpt-0.19.8.json"
+    new.write_text(json.dumps(record("dc-ckpt", 150.0)))
+    ctx = BenchContext(output_dir=results, work_root=tmp_path / "work", variants=["dc-ckpt"])
+    cmds = [Command(["true"], label="lora_llama dc-ckpt@0.19.8", output=new)]
+    result = _lora_merge(cmds, ctx, script)
+    assert sorted(result["runs"]) == ["dc-ckpt@0.19.8", "dc@0.19.8", "upstream@0.19.8"]
+    assert result["runs"]["dc-ckpt@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(8.0)
+    assert result["note"].startswith("Measured on day one. Re-run ") and result["note"].endswith("dc-ckpt.")
+    # A run of another setup is not merged silently.
+    other = tmp_path / "dc-ckpt-ws2.json"
+    other.write_text(json.dumps({**record("dc-ckpt", 160.0), "setup": {**setup, "world_size": 2}}))
+    with pytest.raises(RuntimeError, match="lora_llama merge failed"):
+        _lora_merge([Command(["true"], label="lora_llama dc-ckpt@0.19.8", output=other)], ctx, script)
+
+
+def test_suite_variants_pick_lora_runs_and_refuse_unknown_names() -> None:
+    r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--variants",
+                        "upstream,dc-ckpt-lean"], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    picked = [ln.split("--variant ")[1].split()[0] for ln in r.stdout.splitlines() if "--variant " in ln]
+    assert picked == ["upstream", "dc-ckpt-lean"]
+    for argv in (["lora_llama", "--variants", "upstream,nope"], ["native_micro", "--variants", "ours"]):
+        r = subprocess.run([sys.executable, "-m", "bench", *argv, "--dry-run"], cwd=ROOT, env=_env(),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "--variants applies to a full lora_llama run" in r.stderr, r.stderr
+
+
 def test_native_micro_reads_nccls_coll_log_format() -> None:
     # Lines in the format NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL writes (host:pid:tid [rank] NCCL
     # INFO <Op>: opCount <hex> ... count <n> datatype <ncclDataType_t> ... [nranks=<n>] stream ...),

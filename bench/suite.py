@@ -511,7 +511,9 @@ def _lora_merge(cmds: Sequence[Command], ctx: BenchContext, script: str) -> Dict
     merged = ctx.work_dir / "lora" / "merged.json"
     if merged.exists():
         merged.unlink()
-    existing = ctx.output_dir / f"{_lora_result_name(ctx)}.json"
+    from bench.lora_llama import bench_name  # the result's name per world size, as merge gives it
+
+    existing = ctx.output_dir / f"{bench_name(ctx.ranks or 1)}.json"
     if ctx.variants and existing.exists():
         # Some variants re-run: the file's other runs stay, its footnote says what changed.
         previous = json.loads(existing.read_text())
@@ -538,11 +540,6 @@ def _lora_merge(cmds: Sequence[Command], ctx: BenchContext, script: str) -> Dict
         result.setdefault("setup", first["setup"])
         result.setdefault("versions", first.get("versions"))
     return result
-
-
-def _lora_result_name(ctx: BenchContext) -> str:
-    ranks = ctx.ranks or 1
-    return "lora_llama" if ranks <= 1 else f"lora_llama_ws{ranks}"
 
 
 def _lora_run(ctx: BenchContext) -> Dict[str, Any]:

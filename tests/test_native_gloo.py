@@ -208,6 +208,62 @@ def _lock_taken_while_a_gather_waits(rank: int, world_size: int) -> Dict[str, An
         return out
 
 
+def _python_refs_held_while_a_gather_waits(rank: int, world_size: int) -> Dict[str, Any]:
+    import sys
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from helpers.native_rt import live_runtime
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    with live_runtime(group=dist.group.WORLD) as m:
+        m.register_z3_param(1, [8], torch.arange(4.0) + 4 * rank, torch.Tensor(), False)
+        m.register_graph_z3(0, [1])
+        dist.barrier()
+        if rank == 1:
+            time.sleep(3)  # rank 0's gather is in gloo's hands until then
+            return {"gathered": torch.ops.dc.allgather_param(torch.empty(0), 0, 1).tolist()}
+        out: Dict[str, Any] = {}
+        started = threading.Event()
+
+        def gather() -> None:
+            # Under saved-tensor hooks, as inside a non-reentrant checkpointed forward.
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                out["before"] = sys.getrefcount(pack)
+                started.set()
+                out["gathered"] = torch.ops.dc.allgather_param(torch.empty(0), 0, 1).tolist()
+
+        worker = threading.Thread(target=gather, daemon=True)
+        worker.start()
+        started.wait(timeout=30)
+        time.sleep(1)  # the gather now waits for rank 1 inside gloo
+        out["during"] = sys.getrefcount(pack)
+        worker.join(timeout=30)
+        out["worker_done"] = not worker.is_alive()
+        return out
+
+
+def test_gloo_work_carries_no_python_objects() -> None:
+    # c10d's gloo backend runs each work under a copy of the issuing thread's thread-local state;
+    # copies of the Python objects in it (hooks, modes) are taken and dropped on gloo's worker,
+    # which needs the GIL, and aborts the process if that happens while Python shuts down. Our op
+    # issues its collectives with that state emptied: a gather in flight holds no extra
+    # reference to the caller's saved-tensor hook (it held two before).
+    from helpers.dist import run_ranks
+
+    r0, r1 = run_ranks(_python_refs_held_while_a_gather_waits, 2, timeout=60)
+    assert r0["worker_done"]
+    assert r0["gathered"] == r1["gathered"] == [float(i) for i in range(8)]
+    assert r0["during"] == r0["before"], r0
+
+
 def test_runtime_lock_is_never_awaited_holding_the_gil() -> None:
     from helpers.dist import run_ranks
 

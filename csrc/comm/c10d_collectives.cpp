@@ -1,7 +1,11 @@
 #include "comm/c10d_collectives.h"
 
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/SavedTensorHooks.h>
+#include <ATen/ThreadLocalPythonObjects.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/PythonDispatcherTLS.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <string>
 #include <utility>
@@ -24,18 +28,75 @@ void waitWithoutGil(const c10::intrusive_ptr<c10d::Work>& work)
     work->wait();
 }
 
+// Empties, for its lifetime, the thread-local state that holds Python objects: dispatch modes,
+// torch-function modes, saved-tensor hooks (non-reentrant checkpointing's among them) and stashed
+// objects. c10d's gloo backend copies the caller's thread-local state into each work and its
+// worker runs the work under it, so whatever Python objects it holds are copied (the GIL taken)
+// and dropped (the GIL taken) on gloo's worker thread; one dropped while the interpreter shuts
+// down aborts the process ("terminate called without an active exception").
+class PythonStateCleared {
+public:
+    PythonStateCleared()
+        : modes_(c10::impl::TorchDispatchModeTLS::get_state()),
+          function_modes_(at::impl::PythonTorchFunctionTLS::get_state()),
+          hooks_(at::SavedTensorDefaultHooks::get_tls_state()),
+          objects_(at::impl::ThreadLocalPythonObjects::get_state())
+    {
+        c10::impl::TorchDispatchModeTLS::set_state(c10::impl::TorchDispatchModeTLS());
+        at::impl::PythonTorchFunctionTLS::set_state(at::impl::PythonTorchFunctionTLS());
+        at::SavedTensorDefaultHooks::set_tls_state(at::impl::SavedTensorDefaultHooksTLS());
+        at::impl::ThreadLocalPythonObjects::set_state(at::impl::ThreadLocalPythonObjects());
+    }
+    ~PythonStateCleared()
+    {
+        c10::impl::TorchDispatchModeTLS::set_state(std::move(modes_));
+        at::impl::PythonTorchFunctionTLS::set_state(function_modes_);
+        at::SavedTensorDefaultHooks::set_tls_state(hooks_);
+        at::impl::ThreadLocalPythonObjects::set_state(std::move(objects_));
+    }
+    PythonStateCleared(const PythonStateCleared&) = delete;
+    PythonStateCleared& operator=(const PythonStateCleared&) = delete;
+
+private:
+    c10::impl::TorchDispatchModeTLS modes_;
+    at::impl::PythonTorchFunctionTLS function_modes_;
+    at::impl::SavedTensorDefaultHooksTLS hooks_;
+    at::impl::ThreadLocalPythonObjects objects_;
+};
+
+// A new handle on t's storage, made without the dispatcher, that Python has never seen. gloo's
+// worker drops its references to a work's tensors after our wait has returned; dropping a C++
+// reference to a tensor that has a Python object can take the GIL (torch >= 2.13 keeps that
+// object alive while C++ also holds the tensor), so a tensor made under a dispatch mode, or
+// returned to Python before, would again need the GIL on gloo's worker, at interpreter shutdown
+// an abort. The caller keeps t alive until the work is waited on.
+at::Tensor pythonFreeHandle(const at::Tensor& t)
+{
+    const c10::DispatchKeySet keys = t.key_set()
+                                         .remove(c10::DispatchKey::Python)
+                                         .remove(c10::DispatchKey::PythonTLSSnapshot);
+    at::Tensor handle =
+        at::detail::make_tensor<c10::TensorImpl>(c10::Storage(t.storage()), keys, t.dtype());
+    handle.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(),
+                                                         t.storage_offset());
+    return handle;
+}
+
 // Issues a collective with Python out of its way. Under torch.compile's Python dispatcher or a
 // dispatch mode the c10d op would be dispatched through Python, so gloo's queue lock would be
 // taken holding the GIL, and the worker inherits the dispatcher and needs the GIL to run the
 // work; meanwhile gloo's worker holds that queue lock while it drops a finished work, whose
 // Python-owned tensor needs the GIL: a deadlock. Our tensors are real, so neither the dispatcher
-// nor the modes change what the collective does.
+// nor the modes change what the collective does. The Python objects of the thread-local state
+// are kept out of the work too (PythonStateCleared). The state is saved and restored holding
+// the GIL (if the caller held it): copies of Python objects take it.
 template <typename Issue>
 c10::intrusive_ptr<c10d::Work> issueOutsidePython(Issue&& issue)
 {
     c10::impl::DisablePythonDispatcher no_python_dispatcher;
     c10::impl::ExcludeDispatchKeyGuard no_modes(
         c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+    PythonStateCleared no_python_state;
     GilReleasedIfHeld no_gil;
     return issue();
 }
@@ -56,10 +117,10 @@ public:
         DSZ_CHECK(out.numel() == shard.numel() * worldSize(), "allgather", "ds_id ", ds_id,
                   ": output of ", out.numel(), " elements for a shard of ", shard.numel(),
                   " at world size ", worldSize());
-        at::Tensor in = shard.contiguous();
-        at::Tensor o = out;
+        at::Tensor in = pythonFreeHandle(shard.contiguous());
+        at::Tensor o = pythonFreeHandle(out);
         submit(issueOutsidePython([&] { return pg_->_allgather_base(o, in); }), "allgather", ds_id,
-               {in, o});
+               {shard, out, in, o});
     }
 
     void reduceScatterSum(const at::Tensor& in, const at::Tensor& out, int64_t ds_id) override
@@ -67,8 +128,8 @@ public:
         DSZ_CHECK(in.numel() == out.numel() * worldSize(), "reduce_scatter", "ds_id ", ds_id,
                   ": input of ", in.numel(), " elements for an output of ", out.numel(),
                   " at world size ", worldSize());
-        at::Tensor i = in.contiguous();
-        at::Tensor o = out;
+        at::Tensor i = pythonFreeHandle(in.contiguous());
+        at::Tensor o = pythonFreeHandle(out);
         c10d::ReduceScatterOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
         submit(issueOutsidePython([&] { return pg_->_reduce_scatter_base(o, i, opts); }),
@@ -77,7 +138,7 @@ public:
 
     void allReduceSum(const at::Tensor& buf, int64_t ds_id) override
     {
-        std::vector<at::Tensor> v{buf};
+        std::vector<at::Tensor> v{pythonFreeHandle(buf)};
         c10d::AllreduceOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
         submit(issueOutsidePython([&] { return pg_->allreduce(v, opts); }), "allreduce", ds_id, {buf});

@@ -280,6 +280,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     result["graph_breaks"] = int(sum(counters["graph_break"].values()))
     result["graph_break_reasons"] = sorted({k.splitlines()[0] for k in counters["graph_break"]})
     result["graph_break_fixes"] = getattr(engine, "_ds_z3native_graph_break_fixes", None)
+    # Inductor's FX-graph cache outcomes: whether a warm cache directory served the graphs.
+    result["compile_caches"] = {k: int(v) for k, v in sorted(counters["inductor"].items())
+                                if k.startswith("fxgraph_cache")}
     if args.native == "ours":
         from ds_z3native.compat.deepcompile_eager import eager_gather_of
 

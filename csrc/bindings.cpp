@@ -269,6 +269,13 @@ PYBIND11_MODULE(_C, m)
     m.def("comm_stats", &commStats, "Collectives issued since init() or reset_comm_stats().");
     m.def("reset_comm_stats", [] { get("reset_comm_stats").resetStats(); }, NO_GIL);
     m.def("param_state", &paramState, py::arg("ds_id"), "One param's flags and sizes.");
+    m.def("alias_graph",
+          [](int64_t alias_id, int64_t graph_id) { get("alias_graph").aliasGraph(alias_id, graph_id); },
+          py::arg("alias_id"), py::arg("graph_id"), NO_GIL,
+          "A second id for a registered graph, resolved by every dc op taking a graph_id; "
+          "dropped by reset().");
+    m.def("graph_aliases", [] { return withoutGil([] { return get("graph_aliases").graphAliases(); }); },
+          "The graph aliases: {alias_id: graph_id}.");
 
     // The runtime may hold a process group: release it while the interpreter is still alive.
     py::module_::import("atexit").attr("register")(

@@ -69,9 +69,15 @@ Runtime::Runtime(std::unique_ptr<Collectives> comm,
 
 Runtime::~Runtime() = default;
 
+int64_t Runtime::resolve(int64_t graph_id) const
+{
+    auto a = aliases_.find(graph_id);
+    return a == aliases_.end() ? graph_id : a->second;
+}
+
 GraphExecutor& Runtime::executor(int64_t graph_id, const char* op)
 {
-    auto it = executors_.find(graph_id);
+    auto it = executors_.find(resolve(graph_id));
     DSZ_CHECK(it != executors_.end(), op, "unknown graph_id ", graph_id,
               " (not registered with register_graph_z1/z2/z3, or dropped by reset(); ",
               executors_.size(), " graphs registered)");
@@ -164,10 +170,32 @@ void Runtime::registerGraph(int64_t graph_id, const std::vector<int64_t>& ds_ids
         if (stage == ZeroStage::Z3) { registry_.get(id, op); }
         DSZ_CHECK(seen.insert(id).second, op, "ds_id ", id, " listed twice for graph ", graph_id);
     }
+    auto alias = aliases_.find(graph_id);
+    DSZ_CHECK(alias == aliases_.end(), op, "graph_id ", graph_id, " is already an alias of graph ",
+              alias == aliases_.end() ? 0 : alias->second);
     executors_.erase(graph_id);
     offloads_.erase(graph_id);
     executors_.emplace(std::piecewise_construct, std::forward_as_tuple(graph_id),
                        std::forward_as_tuple(graph_id, stage, ds_ids));
+}
+
+void Runtime::aliasGraph(int64_t alias_id, int64_t graph_id)
+{
+    DSZ_LOCK;
+    const char* op = "alias_graph";
+    DSZ_CHECK(executors_.count(graph_id) == 1, op, "alias ", alias_id, ": graph_id ", graph_id,
+              " is not registered (", executors_.size(), " graphs registered)");
+    DSZ_CHECK(executors_.count(alias_id) == 0, op, "alias ", alias_id,
+              " is itself a registered graph_id");
+    auto [it, added] = aliases_.emplace(alias_id, graph_id);
+    DSZ_CHECK(added || it->second == graph_id, op, "alias ", alias_id, " already names graph ",
+              it->second, ", not ", graph_id);
+}
+
+std::map<int64_t, int64_t> Runtime::graphAliases()
+{
+    DSZ_LOCK;
+    return aliases_;
 }
 
 void Runtime::setPersistent(int64_t ds_id)
@@ -240,6 +268,7 @@ void Runtime::reset()
     DSZ_LOCK;
     executors_.clear();
     offloads_.clear();
+    aliases_.clear();
 }
 
 void Runtime::enableProfiling(bool enable)
@@ -356,7 +385,7 @@ void Runtime::endBackward(int64_t graph_id, bool release_reduce_buckets)
             if (registry_.contains(id)) { Gatherer::invalidateAfterStep(registry_.get(id, op)); }
         }
     }
-    auto it = offloads_.find(graph_id);
+    auto it = offloads_.find(resolve(graph_id));
     if (it != offloads_.end()) { it->second.releaseReloaded(); }
 }
 
@@ -377,6 +406,7 @@ void Runtime::freeTensors(const std::vector<at::Tensor>& tensors)
 ActivationOffload& Runtime::offloadFor(int64_t graph_id, const char* op)
 {
     executor(graph_id, op);
+    graph_id = resolve(graph_id);
     auto it = offloads_.find(graph_id);
     if (it == offloads_.end()) {
         it = offloads_

@@ -55,6 +55,11 @@ public:
                        const at::Tensor& grad_buffer, int64_t offset);  // register_param (Z1/2)
     void updateParamGradBuffer(int64_t ds_id, const at::Tensor& grad_buffer, int64_t offset);
     void registerGraph(int64_t graph_id, const std::vector<int64_t>& ds_ids, ZeroStage stage);
+    // A second id for a registered graph: the dc ops resolve alias_id to graph_id. ds_z3native
+    // gives DeepCompile's graphs ids that are the same in every run (DeepSpeed's are memory
+    // addresses), so that compiled code, which bakes the id in, can come from a cache.
+    void aliasGraph(int64_t alias_id, int64_t graph_id);
+    std::map<int64_t, int64_t> graphAliases();
     void setPersistent(int64_t ds_id);
     // Changes the budget of set_persistent for the rest of the run (already persistent params
     // stay); unset = no limit.
@@ -114,6 +119,7 @@ public:
     std::mutex& mutex() { return mutex_; }
 
 private:
+    int64_t resolve(int64_t graph_id) const;  // an alias's graph, or graph_id itself
     GraphExecutor& executor(int64_t graph_id, const char* op);
     ParamEntry& member(GraphExecutor& ex, int64_t ds_id, const char* op);
     ActivationOffload& offloadFor(int64_t graph_id, const char* op);
@@ -127,6 +133,7 @@ private:
     GradReducer reducer_;
     std::map<int64_t, GraphExecutor> executors_;
     std::map<int64_t, ActivationOffload> offloads_;
+    std::map<int64_t, int64_t> aliases_;  // alias id -> registered graph id
     bool profiling_ = false;
     bool updating_ = false;       // the current backward ends an accumulation window
     PersistenceUse persistence_{std::nullopt, 0, 0, 0};

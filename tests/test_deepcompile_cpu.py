@@ -122,6 +122,27 @@ def test_hf_llama_lora_nonreentrant_checkpointing_trains_like_eager_zero3() -> N
           f"max |loss diff| {loss_diff:.2e}, max |LoRA param diff| {param_diff:.2e}")
 
 
+@needs_cpu_deepcompile
+def test_a_second_run_is_compiled_from_the_fx_graph_cache(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # DeepSpeed bakes id(gm.graph), a memory address, into every dc call of a graph, so
+    # inductor's FX-graph cache missed on every graph, every run. With canonical graph ids the
+    # step-6 re-plan, whose graphs the CPU leaves unchanged (DeepCompile's profile-driven passes
+    # skip without CUDA timings), is served from the cache within the first run, and a second run
+    # with the same cache directory compiles nothing; both train the same.
+    env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    cold = _ok(run_alone("cold", ["--model", "seed"], STEPS, env=env))
+    warm = _ok(run_alone("warm", ["--model", "seed"], STEPS, env=env))
+    print(f"\n[fx-graph cache] cold {cold['compile_caches']}, warm {warm['compile_caches']}; "
+          f"compile to the end of step 1: cold {cold['compile_to_first_step_end_s']:.1f} s, "
+          f"warm {warm['compile_to_first_step_end_s']:.1f} s; re-plan step: cold "
+          f"{cold['step_s'][5]:.1f} s, warm {warm['step_s'][5]:.1f} s")
+    assert cold["compile_caches"] == {"fxgraph_cache_miss": 2, "fxgraph_cache_hit": 2}  # fw, bw
+    assert warm["compile_caches"] == {"fxgraph_cache_hit": 4}
+    assert warm["losses"] == cold["losses"]
+    assert warm["params"] == cold["params"]
+
+
 def test_reentrant_checkpointing_keeps_the_input_grad_hook() -> None:
     from ds_z3native.compat.hf_graph_breaks import checkpoint_modes, remove_checkpoint_graph_breaks
     from ds_z3native.models import MODEL_SIZES, build_lora_llama

@@ -323,6 +323,47 @@ def test_reset_and_cleanup_lifecycle(m) -> None:
         m.register_graph_z3(7, [1])
 
 
+def test_graph_alias_is_resolved_by_every_graph_op_until_reset(m) -> None:
+    # ds_z3native hands DeepCompile's graphs to inductor with canonical ids (-1, -2, ...): each
+    # is an alias of DeepSpeed's id(gm.graph) that the graph ops resolve.
+    m.init(local_group(), compile_config(), 4096)
+    m.register_z3_param(1, [2], _z3_param(2), torch.zeros(2), False)
+    m.register_graph_z3(140001, [1])
+    with pytest.raises(RuntimeError, match=r"allgather_param.*unknown graph_id -1"):
+        torch.ops.dc.allgather_param(torch.empty(0), -1, 1)
+    m.alias_graph(-1, 140001)
+    m.alias_graph(-1, 140001)  # fw and bw compilers of one graph both ask: the same answer
+    assert m.graph_aliases() == {-1: 140001}
+    full = torch.ops.dc.allgather_param(torch.empty(0), -1, 1)
+    assert full.shape == (2,)
+    # The alias and the id name one executor: a use counted under either releases the param.
+    torch.ops.dc.release_param(full, -1, 1, 1)
+    assert not m.param_state(1)["valid"]
+    torch.ops.dc.reduce_grad(torch.ones(2), -1, 1)
+    # Activation offload state is the graph's too: offloaded under the alias, reloaded under the id.
+    act = torch.randn(3)
+    off = torch.ops.dc.wait_offload(torch.ops.dc.offload_tensor(act, -1, 7), -1, 7)
+    back = torch.ops.dc.wait_reload(torch.ops.dc.reload_tensor(off, 140001, 7), 140001, 7)
+    assert torch.equal(back, act)
+    torch.ops.dc.end_backward([None], -1)
+    assert m.runtime_info()["graphs"] == [140001]  # an alias is not a graph
+    with pytest.raises(RuntimeError, match=r"alias_graph.*alias -1 already names graph 140001, not 7"):
+        m.register_graph_z3(7, [1])
+        m.alias_graph(-1, 7)
+    with pytest.raises(RuntimeError, match=r"alias_graph.*alias -2: graph_id 99 is not registered"):
+        m.alias_graph(-2, 99)
+    with pytest.raises(RuntimeError, match=r"alias_graph.*alias 7 is itself a registered graph_id"):
+        m.alias_graph(7, 140001)
+    with pytest.raises(RuntimeError, match=r"register_graph_z3.*graph_id -1 is already an alias of "
+                                           r"graph 140001"):
+        m.register_graph_z3(-1, [1])
+    m.reset()  # DeepSpeed re-plans: graphs and their aliases go
+    assert m.graph_aliases() == {}
+    m.register_graph_z3(140002, [1])
+    m.alias_graph(-1, 140002)
+    assert torch.ops.dc.allgather_param(torch.empty(0), -1, 1).shape == (2,)
+
+
 def test_persistence_budget_caps_set_persistent(m, monkeypatch: pytest.MonkeyPatch) -> None:
     # DeepCompile's selective gather marks params persistent while it estimates free memory;
     # with a budget only what fits stays gathered (here: one 1 MiB fp32 param of two).

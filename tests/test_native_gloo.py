@@ -223,12 +223,13 @@ def _python_refs_held_while_a_gather_waits(rank: int, world_size: int) -> Dict[s
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
+    store = dist.distributed_c10d._get_default_store()
     with live_runtime(group=dist.group.WORLD) as m:
         m.register_z3_param(1, [8], torch.arange(4.0) + 4 * rank, torch.Tensor(), False)
         m.register_graph_z3(0, [1])
         dist.barrier()
         if rank == 1:
-            time.sleep(3)  # rank 0's gather is in gloo's hands until then
+            store.wait(["sampled"])  # rank 0's gather is in gloo's hands until then
             return {"gathered": torch.ops.dc.allgather_param(torch.empty(0), 0, 1).tolist()}
         out: Dict[str, Any] = {}
         started = threading.Event()
@@ -243,8 +244,14 @@ def _python_refs_held_while_a_gather_waits(rank: int, world_size: int) -> Dict[s
         worker = threading.Thread(target=gather, daemon=True)
         worker.start()
         started.wait(timeout=30)
-        time.sleep(1)  # the gather now waits for rank 1 inside gloo
-        out["during"] = sys.getrefcount(pack)
+        # The gather cannot finish before rank 1 joins: sample while it waits inside gloo.
+        samples = []
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            samples.append(sys.getrefcount(pack))
+            time.sleep(0.02)
+        out["during"] = max(samples)
+        store.set("sampled", "1")
         worker.join(timeout=30)
         out["worker_done"] = not worker.is_alive()
         return out
@@ -255,7 +262,9 @@ def test_gloo_work_carries_no_python_objects() -> None:
     # copies of the Python objects in it (hooks, modes) are taken and dropped on gloo's worker,
     # which needs the GIL, and aborts the process if that happens while Python shuts down. Our op
     # issues its collectives with that state emptied: a gather in flight holds no extra
-    # reference to the caller's saved-tensor hook (it held two before).
+    # reference to the caller's saved-tensor hook (it held two before). (Dispatch modes are kept
+    # out the same way, but a copy of the mode stack shares the mode without a new reference:
+    # nothing to count from Python.)
     from helpers.dist import run_ranks
 
     r0, r1 = run_ranks(_python_refs_held_while_a_gather_waits, 2, timeout=60)

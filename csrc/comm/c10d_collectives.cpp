@@ -7,7 +7,10 @@
 #include <c10/core/impl/PythonDispatcherTLS.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -21,11 +24,19 @@
 namespace dsz {
 namespace {
 
-// Waits on c10d work without the GIL (see python_gil.h).
-void waitWithoutGil(const c10::intrusive_ptr<c10d::Work>& work)
+// Waits on c10d work without the GIL (see python_gil.h). With gloo it also waits, briefly, for
+// gloo's worker to drop its own reference to the work (right after completing it), so that the
+// work and all it holds are destroyed on this thread, where taking the GIL to drop a Python
+// object is safe (see pythonFreeHandle for why gloo's worker must not).
+void waitWithoutGil(const c10::intrusive_ptr<c10d::Work>& work, bool await_sole_owner)
 {
     GilReleasedIfHeld no_gil;
     work->wait();
+    if (!await_sole_owner) { return; }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+    while (work.use_count() > 1 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+    }
 }
 
 // Empties, for its lifetime, the thread-local state that holds Python objects: dispatch modes,
@@ -37,7 +48,8 @@ void waitWithoutGil(const c10::intrusive_ptr<c10d::Work>& work)
 class PythonStateCleared {
 public:
     PythonStateCleared()
-        : modes_(c10::impl::TorchDispatchModeTLS::get_state()),
+        : keys_(c10::impl::tls_local_dispatch_key_set()),
+          modes_(c10::impl::TorchDispatchModeTLS::get_state()),
           function_modes_(at::impl::PythonTorchFunctionTLS::get_state()),
           hooks_(at::SavedTensorDefaultHooks::get_tls_state()),
           objects_(at::impl::ThreadLocalPythonObjects::get_state())
@@ -53,11 +65,14 @@ public:
         at::impl::PythonTorchFunctionTLS::set_state(function_modes_);
         at::SavedTensorDefaultHooks::set_tls_state(hooks_);
         at::impl::ThreadLocalPythonObjects::set_state(std::move(objects_));
+        // set_state above recomputes the Python keys from the mode stack: put back the exact set.
+        c10::impl::_force_tls_local_dispatch_key_set(keys_);
     }
     PythonStateCleared(const PythonStateCleared&) = delete;
     PythonStateCleared& operator=(const PythonStateCleared&) = delete;
 
 private:
+    c10::impl::LocalDispatchKeySet keys_;
     c10::impl::TorchDispatchModeTLS modes_;
     at::impl::PythonTorchFunctionTLS function_modes_;
     at::impl::SavedTensorDefaultHooksTLS hooks_;
@@ -69,9 +84,10 @@ private:
 // reference to a tensor that has a Python object can take the GIL (torch >= 2.13 keeps that
 // object alive while C++ also holds the tensor), so a tensor made under a dispatch mode, or
 // returned to Python before, would again need the GIL on gloo's worker, at interpreter shutdown
-// an abort. The caller keeps t alive until the work is waited on.
+// an abort. Only plain dense tensors (all the runtime hands to collectives) are re-wrapped.
 at::Tensor pythonFreeHandle(const at::Tensor& t)
 {
+    if (typeid(*t.unsafeGetTensorImpl()) != typeid(c10::TensorImpl)) { return t; }
     const c10::DispatchKeySet keys = t.key_set()
                                          .remove(c10::DispatchKey::Python)
                                          .remove(c10::DispatchKey::PythonTLSSnapshot);
@@ -104,7 +120,8 @@ c10::intrusive_ptr<c10d::Work> issueOutsidePython(Issue&& issue)
 class C10dCollectives final : public Collectives {
 public:
     explicit C10dCollectives(c10::intrusive_ptr<c10d::ProcessGroup> pg)
-        : pg_(std::move(pg)), name_("c10d:" + pg_->getBackendName())
+        : pg_(std::move(pg)), name_("c10d:" + pg_->getBackendName()),
+          gloo_(pg_->getBackendName() == "gloo")
     {
     }
 
@@ -133,7 +150,7 @@ public:
         c10d::ReduceScatterOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
         submit(issueOutsidePython([&] { return pg_->_reduce_scatter_base(o, i, opts); }),
-               "reduce_scatter", ds_id, {i, o});
+               "reduce_scatter", ds_id, {in, out, i, o});
     }
 
     void allReduceSum(const at::Tensor& buf, int64_t ds_id) override
@@ -141,7 +158,8 @@ public:
         std::vector<at::Tensor> v{pythonFreeHandle(buf)};
         c10d::AllreduceOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
-        submit(issueOutsidePython([&] { return pg_->allreduce(v, opts); }), "allreduce", ds_id, {buf});
+        submit(issueOutsidePython([&] { return pg_->allreduce(v, opts); }), "allreduce", ds_id,
+               {buf, v[0]});
     }
 
     void groupStart() override { ++depth_; }
@@ -155,7 +173,7 @@ public:
         std::string first_error;
         for (Pending& p : pending) {
             try {
-                waitWithoutGil(p.work);
+                waitWithoutGil(p.work, gloo_);
             } catch (const std::exception& e) {
                 // Keep waiting on the rest so no work outlives its tensors; report the first.
                 if (first_error.empty()) { first_error = describe(p.op, p.ds_id, e.what()); }
@@ -186,7 +204,7 @@ private:
             return;
         }
         try {
-            waitWithoutGil(work);
+            waitWithoutGil(work, gloo_);
         } catch (const std::exception& e) {
             DSZ_FAIL(op, describe(op, ds_id, e.what()));
         }
@@ -194,6 +212,7 @@ private:
 
     c10::intrusive_ptr<c10d::ProcessGroup> pg_;
     std::string name_;
+    bool gloo_;  // waits also for gloo's worker to drop its reference to each work
     int depth_ = 0;
     std::vector<Pending> pending_;
 };

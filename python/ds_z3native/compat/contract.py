@@ -111,6 +111,8 @@ NATIVE_FUNCTIONS: Dict[str, Arity] = {
     "param_state": Arity(1, 1, ("ds_id",)),
     "set_persistence_budget": Arity(1, 1, ("bytes",)),
     "persistence_info": Arity(0, 0),
+    "alias_graph": Arity(2, 2, ("alias_id", "graph_id")),
+    "graph_aliases": Arity(0, 0),
 }
 
 

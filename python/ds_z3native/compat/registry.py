@@ -6,6 +6,8 @@
 * ``deepcompile_eager``: after ``engine.compile()``, code outside the compiled graphs sees gathered
   params (or a clear error for trainable ones).
 * ``deepcompile_prefetch``: DeepCompile's prefetch pass honours ``set_prefetch_budget``.
+* ``deepcompile_graph_ids``: DeepCompile's graphs reach inductor with run-independent graph ids
+  (warm FX-graph cache hits across runs).
 * ``gloo_collectives``: DeepSpeed's collectives on CPU tensors under torch.compile's Python
   dispatcher run without it (a gloo deadlock otherwise).
 * ``checkpoint_recompute`` (optional module ``ds_z3native.compat.checkpoint_recompute``, its
@@ -44,12 +46,12 @@ def _optional_patches(module_name: str) -> List[Patch]:
 
 def all_patches() -> List[Patch]:
     """Every known patch, whatever DeepSpeed version it targets."""
-    from . import (deepcompile_eager, deepcompile_frozen, deepcompile_prefetch, gloo_collectives,
-                   hf_graph_breaks)
+    from . import (deepcompile_eager, deepcompile_frozen, deepcompile_graph_ids,
+                   deepcompile_prefetch, gloo_collectives, hf_graph_breaks)
 
     patches = (list(deepcompile_frozen.PATCHES) + list(hf_graph_breaks.PATCHES)
                + list(deepcompile_eager.PATCHES) + list(deepcompile_prefetch.PATCHES)
-               + list(gloo_collectives.PATCHES))
+               + list(deepcompile_graph_ids.PATCHES) + list(gloo_collectives.PATCHES))
     for name in OPTIONAL_MODULES:
         patches += _optional_patches(name)
     names = [p.name for p in patches]

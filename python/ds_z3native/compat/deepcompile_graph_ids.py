@@ -1,0 +1,182 @@
+"""Graph ids that are the same in every run, so that compiled DeepCompile graphs can come from a cache.
+
+DeepCompile names each graph it compiles by ``id(gm.graph)``, a memory address, and its passes
+write that number into the graph as the ``graph_id`` argument of every ``torch.ops.dc`` call.
+Inductor's FX-graph cache keys on the graph, constants included, so a second run with the same
+cache directory misses on every graph (measured on the CPU: 4 of 4 misses) and recompiles
+everything; only kernel-level caches help.
+
+* :data:`DEEPCOMPILE_CANONICAL_GRAPH_IDS` (every release whose ``deepspeed.compile.inductor``
+  has ``patch_compiler``, the wrapper DeepSpeed puts around inductor's forward and backward
+  compilers): just before inductor sees a graph, the ``graph_id`` arguments of the dc ops are
+  replaced by a canonical id, and the native runtime is told that the canonical id names
+  DeepSpeed's graph (``alias_graph``); every dc op resolves it. Canonical ids are -1, -2, ... in
+  the order DeepSpeed hands its graphs over since the runtime's last ``reset()`` (DeepSpeed
+  resets at each re-plan), so the same program gets the same ids in every run and on every rank.
+  They are negative, so they never equal an ``id()``. The rewrite is made in the graph object
+  DeepSpeed's profile also points to, after its passes have read it (they read ds_ids and node
+  names, never the graph id); DeepSpeed's own tables keep its ids. A graph holding no dc call of
+  its graph (a pass schedule that gathers nothing) is left as it is. While inductor compiles
+  it, ``torch.compiler.config.cache_key_tag`` also names the DeepSpeed and ds_z3native versions:
+  the cached code depends on DeepSpeed's lowering of the dc ops, which inductor's key does not
+  cover, so an upgrade never reuses code compiled for another release.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict
+
+from packaging.version import Version
+
+from . import Patch, Undo
+from ._rebind import when_module_imported, wrap_function
+
+__all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "canonical_graph_id", "uses_graph_id",
+           "canonicalize_graph_ids", "cache_key_tag", "patch_canonical_graph_ids",
+           "DEEPCOMPILE_CANONICAL_GRAPH_IDS", "PATCHES"]
+
+log = logging.getLogger(__name__)
+
+INDUCTOR_MODULE = "deepspeed.compile.inductor"
+
+# The position of the graph id among each native dc op's arguments (the activation-offload ops
+# call it "int id", like the value id after it). DeepSpeed also defines dc ops of its own
+# (optimizer-state offload), whose ints are not graph ids: they are not listed.
+GRAPH_ID_ARG: Dict[str, int] = {
+    "allgather_param": 1,
+    "prefetch_params_fused": 0,
+    "wait_allgather": 1,
+    "release_param": 1,
+    "reduce_grad": 1,
+    "end_backward": 1,
+    "offload_tensor": 1,
+    "reload_tensor": 1,
+    "wait_offload": 1,
+    "wait_reload": 1,
+    "offload_parameter": 1,
+    "reload_parameter": 1,
+}
+
+
+def canonical_graph_id(native: Any, graph_id: int) -> int:
+    """The canonical id of DeepSpeed's graph ``graph_id`` in the live runtime ``native``
+    (``ds_z3native._C``): its alias if it has one, else a new alias, -(number of aliases + 1)."""
+    aliases = native.graph_aliases()
+    for alias, target in aliases.items():
+        if target == graph_id:
+            return alias
+    alias = -(len(aliases) + 1)
+    native.alias_graph(alias, graph_id)
+    return alias
+
+
+def _graph_id_args(graph: Any):
+    """(node, position or "graph_id", value) of each graph id a native dc op of ``graph`` takes."""
+    import torch
+
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
+                or target.namespace != "dc":
+            continue
+        pos = GRAPH_ID_ARG.get(target._schema.name.split("::", 1)[-1])
+        if pos is None:
+            continue
+        if len(node.args) > pos:
+            yield node, pos, node.args[pos]
+        elif "graph_id" in node.kwargs:
+            yield node, "graph_id", node.kwargs["graph_id"]
+
+
+def uses_graph_id(graph: Any, graph_id: int) -> bool:
+    """Whether a native dc op of ``graph`` takes ``graph_id`` as its graph id."""
+    return any(value == graph_id for _, _, value in _graph_id_args(graph))
+
+
+def canonicalize_graph_ids(graph: Any, graph_id: int, canonical: int) -> int:
+    """Replace ``graph_id`` by ``canonical`` where a native dc op of ``graph`` (an FX graph) takes
+    it as its graph id; the number of calls changed."""
+    found = [(node, pos) for node, pos, value in _graph_id_args(graph) if value == graph_id]
+    for node, pos in found:
+        if isinstance(pos, int):
+            args = list(node.args)
+            args[pos] = canonical
+            node.args = tuple(args)
+        else:
+            node.kwargs = {**node.kwargs, pos: canonical}
+    return len(found)
+
+
+def cache_key_tag(base: str) -> str:
+    """``base`` (torch.compiler.config.cache_key_tag) extended with the DeepSpeed and ds_z3native
+    versions: the compiled code of a DeepCompile graph depends on DeepSpeed's lowering of the dc
+    ops and on our op, neither of which inductor's cache key covers."""
+    import deepspeed
+
+    from .. import __version__
+
+    tag = f"deepspeed-{deepspeed.__version__}+ds_z3native-{__version__}"
+    return f"{base}|{tag}" if base else tag
+
+
+def _canonical_compiler(compiler: Callable, graph_id: int) -> Callable:
+    def compile_with_canonical_ids(gm: Any, example_inputs: Any) -> Any:
+        import torch
+
+        from .. import _native
+
+        native = _native.load()
+        # A graph without dc calls of this graph (a pass schedule that gathers nothing) was never
+        # registered with the runtime: it goes to inductor as it is.
+        if not native.is_initialized() or not uses_graph_id(gm.graph, graph_id):
+            return compiler(gm, example_inputs)
+        canonical = canonical_graph_id(native, graph_id)
+        canonicalize_graph_ids(gm.graph, graph_id, canonical)
+        gm.recompile()
+        log.debug("DeepCompile graph %d compiled as graph %d", graph_id, canonical)
+        config = torch.compiler.config
+        if not hasattr(config, "cache_key_tag"):  # torch without the tag: ids only
+            return compiler(gm, example_inputs)
+        with config.patch(cache_key_tag=cache_key_tag(config.cache_key_tag)):
+            return compiler(gm, example_inputs)
+
+    return compile_with_canonical_ids
+
+
+def _with_canonical_ids(patch_compiler: Callable) -> Callable:
+    def wrapper(original_compiler: Callable, dc_compiler: Callable, z3_partition: bool,
+                graph_id: int, *args: Any, **kwargs: Any) -> Any:
+        return patch_compiler(_canonical_compiler(original_compiler, graph_id), dc_compiler,
+                              z3_partition, graph_id, *args, **kwargs)
+
+    return wrapper
+
+
+def patch_canonical_graph_ids() -> Undo:
+    """Wrap DeepSpeed's ``patch_compiler`` (once DeepSpeed imports its inductor module) so that
+    inductor compiles each DeepCompile graph with canonical graph ids; the undo restores it."""
+
+    def apply() -> Undo:
+        import importlib
+
+        module = importlib.import_module(INDUCTOR_MODULE)
+        if not hasattr(module, "patch_compiler"):
+            log.warning("%s has no patch_compiler: DeepCompile graphs keep DeepSpeed's run-specific "
+                        "ids (no inductor cache hits across runs)", INDUCTOR_MODULE)
+            return lambda: None
+        return wrap_function([module], "patch_compiler", _with_canonical_ids)
+
+    return when_module_imported(INDUCTOR_MODULE, apply)
+
+
+DEEPCOMPILE_CANONICAL_GRAPH_IDS = Patch(
+    name="deepcompile-canonical-graph-ids",
+    summary="DeepCompile graphs reach inductor with run-independent graph ids (DeepSpeed: "
+            "id(gm.graph)), so inductor's FX-graph cache can hit in a later run",
+    apply=patch_canonical_graph_ids,
+    first=Version("0.19.0"),
+    last=None,
+)
+
+PATCHES = [DEEPCOMPILE_CANONICAL_GRAPH_IDS]

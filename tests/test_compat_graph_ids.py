@@ -1,0 +1,182 @@
+"""The ``deepcompile-canonical-graph-ids`` patch: DeepCompile's graphs reach inductor with graph ids
+that do not depend on the run.
+
+Unit level: the rewrite of an FX graph holding DeepCompile's dc calls, and the canonical ids the
+live runtime hands out. End to end (tests/test_deepcompile_cpu.py): a second CPU DeepCompile run
+with the same inductor cache directory is served by inductor's FX-graph cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.fx as fx
+
+import ds_z3native
+from ds_z3native.compat import deepcompile_graph_ids as gid
+from helpers.native_rt import live_runtime, local_group
+
+DS_GRAPH = 139_872_412_000_016  # what id(gm.graph) looks like
+
+
+def _dc_graph(graph_id: int) -> fx.GraphModule:
+    """A graph shaped like DeepCompile's: gather, use, release, reduce, end_backward, an
+    activation offload pair, and an int that is not a graph id (the value id)."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    w = g.placeholder("w")
+    dc = torch.ops.dc
+    g.call_function(dc.prefetch_params_fused.default, (graph_id, [w], [1]))
+    full = g.call_function(dc.allgather_param.default, (w, graph_id, 1))
+    full = g.call_function(dc.wait_allgather.default, (full, graph_id, 1))
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, full))
+    rel = g.call_function(dc.release_param.default, (full, graph_id, 1, 1))
+    red = g.call_function(dc.reduce_grad.default, (y,), {"graph_id": graph_id, "id": 1})
+    off = g.call_function(dc.offload_tensor.default, (y, graph_id, graph_id))
+    g.call_function(dc.end_backward.default, ([rel, red, off], graph_id))
+    g.output(y)
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _graph_ids(gm: fx.GraphModule) -> list:
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "dc":
+            name = n.target._schema.name.split("::")[-1]
+            pos = gid.GRAPH_ID_ARG[name]
+            out.append((name, n.args[pos] if len(n.args) > pos else n.kwargs["graph_id"]))
+    return out
+
+
+def test_graph_id_positions_match_the_native_schemas() -> None:
+    ds_z3native.native()  # registers torch.ops.dc
+    for name, pos in gid.GRAPH_ID_ARG.items():
+        args = getattr(torch.ops.dc, name).default._schema.arguments
+        assert str(args[pos].type) == "int", (name, str(args[pos].type))
+        assert args[pos].name in ("graph_id", "id"), name
+
+
+def test_every_graph_id_of_the_graph_is_replaced_and_nothing_else() -> None:
+    ds_z3native.native()
+    gm = _dc_graph(DS_GRAPH)
+    assert gid.canonicalize_graph_ids(gm.graph, DS_GRAPH, -1) == 7
+    assert {v for _, v in _graph_ids(gm)} == {-1}
+    off = next(n for n in gm.graph.nodes if n.target is torch.ops.dc.offload_tensor.default)
+    assert off.args[2] == DS_GRAPH  # the value id that happened to equal it stays
+    gm.recompile()
+    assert str(DS_GRAPH) not in gm.code.replace(f"-1, {DS_GRAPH})", "")
+    # Another graph's id is left alone.
+    other = _dc_graph(DS_GRAPH + 16)
+    assert gid.canonicalize_graph_ids(other.graph, DS_GRAPH, -1) == 0
+
+
+def test_canonical_ids_count_from_minus_one_per_runtime_generation() -> None:
+    with live_runtime(group=local_group()) as m:
+        m.register_z3_param(1, [2], torch.randn(2), torch.zeros(2), False)
+        m.register_graph_z3(DS_GRAPH, [1])
+        m.register_graph_z3(DS_GRAPH + 16, [1])
+        assert gid.canonical_graph_id(m, DS_GRAPH) == -1
+        assert gid.canonical_graph_id(m, DS_GRAPH + 16) == -2
+        assert gid.canonical_graph_id(m, DS_GRAPH) == -1  # the backward compiler of graph 1
+        m.reset()
+        m.register_graph_z3(DS_GRAPH + 32, [1])  # re-planned: a new graph, numbered afresh
+        assert gid.canonical_graph_id(m, DS_GRAPH + 32) == -1
+
+
+def test_the_wrapped_compiler_gives_inductor_canonical_ids() -> None:
+    # What DeepSpeed's patch_compiler receives as inductor's compiler, wrapped: the compiler sees
+    # the canonical id, and running the compiled graph reaches DeepSpeed's graph through it.
+    seen = {}
+
+    def inductor_stand_in(gm: fx.GraphModule, example_inputs) -> object:
+        seen["ids"] = {v for _, v in _graph_ids(gm)}
+        seen["tag"] = torch.compiler.config.cache_key_tag
+        return gm
+
+    with live_runtime(group=local_group()) as m:
+        w = torch.randn(2)
+        m.register_z3_param(1, [2], w, torch.zeros(2), False)
+        m.register_graph_z3(DS_GRAPH, [1])
+        compiled = gid._canonical_compiler(inductor_stand_in, DS_GRAPH)(_dc_graph(DS_GRAPH), [])
+        assert seen["ids"] == {-1}
+        assert m.graph_aliases() == {-1: DS_GRAPH}
+        import deepspeed
+
+        # Cached code is specific to the DeepSpeed release (its lowering of the dc ops) and ours.
+        assert seen["tag"] == f"deepspeed-{deepspeed.__version__}+ds_z3native-{ds_z3native.__version__}"
+        assert torch.compiler.config.cache_key_tag == ""
+        x = torch.randn(2)
+        assert torch.allclose(compiled(x, torch.empty(0)), x * w)
+
+
+def test_a_graph_without_dc_calls_of_its_own_is_compiled_as_it_is() -> None:
+    # A pass schedule that gathers nothing never registers the graph with the runtime.
+    def inductor_stand_in(gm: fx.GraphModule, example_inputs) -> object:
+        return gm
+
+    with live_runtime(group=local_group()) as m:
+        gm = _dc_graph(DS_GRAPH + 16)  # calls of another graph only
+        code = gm.code
+        gid._canonical_compiler(inductor_stand_in, DS_GRAPH)(gm, [])
+        assert gm.code == code and m.graph_aliases() == {}
+
+
+@pytest.mark.deepspeed
+def test_deepspeeds_aot_wiring_hands_inductor_canonical_ids() -> None:
+    # Through DeepSpeed's own call site: _patch_deepcompile_aot_kwargs builds the forward,
+    # backward and inference compilers with the module's (patched) patch_compiler.
+    inductor = importlib.import_module(gid.INDUCTOR_MODULE)
+    undo = gid.patch_canonical_graph_ids()
+    seen = []
+
+    def inductor_stand_in(gm, example_inputs):
+        seen.append({v for _, v in _graph_ids(gm)})
+        return gm
+
+    try:
+        kwargs = {"fw_compiler": inductor_stand_in, "bw_compiler": inductor_stand_in,
+                  "partition_fn": lambda *a, **k: None}
+        with live_runtime(group=local_group()) as m:
+            m.register_z3_param(1, [2], torch.randn(2), torch.zeros(2), False)
+            m.register_graph_z3(DS_GRAPH, [1])
+            assert inductor._patch_deepcompile_aot_kwargs(
+                kwargs, graph_id=DS_GRAPH, z3_partition=False,
+                make_fw_graph=lambda gm, inputs: gm.graph, make_bw_graph=lambda gm, inputs: gm.graph,
+                real_inputs=[], param_indices=[], param_manager={}, frame_id=0,
+                frames_partitioned=set()) is True
+            kwargs["fw_compiler"](_dc_graph(DS_GRAPH), [])
+            kwargs["bw_compiler"](_dc_graph(DS_GRAPH), [])
+            assert m.graph_aliases() == {-1: DS_GRAPH}
+    finally:
+        undo()
+    assert seen == [{-1}, {-1}]
+
+
+@pytest.mark.deepspeed
+def test_patch_wraps_deepspeeds_patch_compiler_and_undoes() -> None:
+    inductor = importlib.import_module(gid.INDUCTOR_MODULE)
+    original = inductor.patch_compiler
+    undo = gid.patch_canonical_graph_ids()
+    try:
+        assert inductor.patch_compiler is not original
+        calls = []
+
+        def inductor_stand_in(gm, example_inputs):
+            calls.append({v for _, v in _graph_ids(gm)})
+            return gm
+
+        def dc_compiler(gm, example_inputs):  # DeepSpeed's passes have run: the graph is ready
+            return gm.graph
+
+        with live_runtime(group=local_group()) as m:
+            m.register_z3_param(1, [2], torch.randn(2), torch.zeros(2), False)
+            m.register_graph_z3(DS_GRAPH, [1])
+            wrapped = inductor.patch_compiler(inductor_stand_in, dc_compiler, False, DS_GRAPH, {},
+                                              bwd=False)
+            wrapped(_dc_graph(DS_GRAPH), [torch.randn(2), torch.randn(2)])
+        assert calls == [{-1}]
+    finally:
+        undo()
+    assert inductor.patch_compiler is original

@@ -123,6 +123,23 @@ def test_a_graph_without_dc_calls_of_its_own_is_compiled_as_it_is() -> None:
         assert gm.code == code and m.graph_aliases() == {}
 
 
+def test_a_graph_the_runtime_cannot_alias_keeps_deepspeeds_id(caplog) -> None:  # type: ignore[no-untyped-def]
+    # The ids are an optimisation: if the runtime refuses the alias, the graph is compiled with
+    # DeepSpeed's id (which the runtime knows), and the warning says what is lost.
+    def inductor_stand_in(gm: fx.GraphModule, example_inputs) -> object:
+        return gm
+
+    with live_runtime(group=local_group()) as m:
+        m.register_z3_param(1, [2], torch.randn(2), torch.zeros(2), False)
+        m.register_graph_z3(DS_GRAPH, [1])
+        m.register_graph_z3(-1, [1])  # -1 taken by a graph: no alias can be -1
+        gm = _dc_graph(DS_GRAPH)
+        with caplog.at_level("WARNING", logger=gid.__name__):
+            gid._canonical_compiler(inductor_stand_in, DS_GRAPH)(gm, [])
+        assert {v for _, v in _graph_ids(gm)} == {DS_GRAPH}
+        assert "keeps its id" in caplog.text and "is itself a registered graph_id" in caplog.text
+
+
 @pytest.mark.deepspeed
 def test_deepspeeds_aot_wiring_hands_inductor_canonical_ids() -> None:
     # Through DeepSpeed's own call site: _patch_deepcompile_aot_kwargs builds the forward,

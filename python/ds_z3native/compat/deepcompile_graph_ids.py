@@ -131,7 +131,12 @@ def _canonical_compiler(compiler: Callable, graph_id: int) -> Callable:
         # registered with the runtime: it goes to inductor as it is.
         if not native.is_initialized() or not uses_graph_id(gm.graph, graph_id):
             return compiler(gm, example_inputs)
-        canonical = canonical_graph_id(native, graph_id)
+        try:
+            canonical = canonical_graph_id(native, graph_id)
+        except RuntimeError as e:  # only the cache is lost: the graph runs under DeepSpeed's id
+            log.warning("DeepCompile graph %d keeps its id (no inductor cache hit across runs): %s",
+                        graph_id, e)
+            return compiler(gm, example_inputs)
         canonicalize_graph_ids(gm.graph, graph_id, canonical)
         gm.recompile()
         log.debug("DeepCompile graph %d compiled as graph %d", graph_id, canonical)

@@ -172,7 +172,7 @@ void Runtime::registerGraph(int64_t graph_id, const std::vector<int64_t>& ds_ids
     }
     auto alias = aliases_.find(graph_id);
     DSZ_CHECK(alias == aliases_.end(), op, "graph_id ", graph_id, " is already an alias of graph ",
-              alias == aliases_.end() ? 0 : alias->second);
+              alias->second);  // the message is built only when the check fails
     executors_.erase(graph_id);
     offloads_.erase(graph_id);
     executors_.emplace(std::piecewise_construct, std::forward_as_tuple(graph_id),

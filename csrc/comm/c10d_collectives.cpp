@@ -137,7 +137,7 @@ public:
         at::Tensor in = pythonFreeHandle(shard.contiguous());
         at::Tensor o = pythonFreeHandle(out);
         submit(issueOutsidePython([&] { return pg_->_allgather_base(o, in); }), "allgather", ds_id,
-               {shard, out, in, o});
+               {in, o});
     }
 
     void reduceScatterSum(const at::Tensor& in, const at::Tensor& out, int64_t ds_id) override
@@ -150,7 +150,7 @@ public:
         c10d::ReduceScatterOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
         submit(issueOutsidePython([&] { return pg_->_reduce_scatter_base(o, i, opts); }),
-               "reduce_scatter", ds_id, {in, out, i, o});
+               "reduce_scatter", ds_id, {i, o});
     }
 
     void allReduceSum(const at::Tensor& buf, int64_t ds_id) override
@@ -159,7 +159,7 @@ public:
         c10d::AllreduceOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
         submit(issueOutsidePython([&] { return pg_->allreduce(v, opts); }), "allreduce", ds_id,
-               {buf, v[0]});
+               {v[0]});
     }
 
     void groupStart() override { ++depth_; }

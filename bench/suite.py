@@ -304,29 +304,65 @@ def registry() -> Dict[str, Benchmark]:
 def run_command(cmd: Command, log_dir: Path, timeout: float = 3600.0,
                 progress_every: float = 60.0) -> int:
     """Run ``cmd`` (output to a log file under ``log_dir``), logging its start, a line every
-    ``progress_every`` seconds while it runs, and its end; its exit code (124 on timeout)."""
+    ``progress_every`` seconds while it runs, and its end; its exit code (124 on timeout).
+
+    The command runs in a session of its own. Past ``timeout`` every process of that session
+    (a launcher's ranks too) gets SIGABRT first, which makes each Python process print every
+    thread's traceback into the log (``PYTHONFAULTHANDLER``), then SIGKILL; the log's tail is
+    logged, so a hang says where it hung."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / (re.sub(r"[^\w.@-]+", "_", cmd.label) + ".log")
     env = dict(os.environ)
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(cmd.env)
     log.info("%s: %s (log: %s)", cmd.label, cmd.shell(), log_path)
     start = time.monotonic()
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd.argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        proc = subprocess.Popen(cmd.argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
         while True:
             try:
-                code = proc.wait(timeout=progress_every)
+                code = proc.wait(timeout=min(progress_every,
+                                             max(1.0, timeout - (time.monotonic() - start))))
                 break
             except subprocess.TimeoutExpired:
                 elapsed = time.monotonic() - start
-                if elapsed > timeout:
-                    proc.kill()
-                    proc.wait()
-                    log.error("%s: killed after %.0f s", cmd.label, elapsed)
+                if elapsed >= timeout:
+                    _stop_session(proc)
+                    log.error("%s: stopped after %.0f s (timeout %.0f s); the log ends:\n%s",
+                              cmd.label, elapsed, timeout, _tail(log_path))
                     return 124
                 log.info("%s: still running (%.0f s)", cmd.label, elapsed)
     log.info("%s: exit %d after %.1f s", cmd.label, code, time.monotonic() - start)
     return code
+
+
+def _stop_session(proc: "subprocess.Popen[bytes]", grace: float = 10.0) -> None:
+    """SIGABRT to every process of ``proc``'s session (tracebacks into the log), then SIGKILL to
+    whatever is left of it."""
+    import signal
+
+    def signal_session(sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # the session leader's pid is its process group id
+        except ProcessLookupError:
+            pass
+
+    signal_session(signal.SIGABRT)
+    try:
+        proc.wait(timeout=grace)
+        time.sleep(2.0)  # a launcher exits at once; its ranks may still be printing
+    except subprocess.TimeoutExpired:
+        pass
+    signal_session(signal.SIGKILL)
+    proc.wait()
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"(cannot read {path}: {e})"
 
 
 def run_commands(cmds: Sequence[Command], ctx: BenchContext) -> List[int]:

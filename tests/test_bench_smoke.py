@@ -184,13 +184,38 @@ def test_bench_help(cmd: list, tmp_path: Path) -> None:
         assert name in r.stdout
 
 
+def test_a_hung_command_is_stopped_with_its_tracebacks_and_its_children(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A launcher-like parent whose child (a rank) never ends: past the timeout both are gone,
+    # and the log (echoed to the caller) holds each one's traceback.
+    from bench.suite import Command, run_command
+
+    pid_file = tmp_path / "child.pid"
+    child = "import os, time; open(%r, 'w').write(str(os.getpid())); time.sleep(3600)" % str(pid_file)
+    parent = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', %r]); "
+              "time.sleep(3600)" % child)
+    with caplog.at_level("INFO", logger="bench.suite"):
+        code = run_command(Command([sys.executable, "-c", parent], label="hangs"), tmp_path,
+                           timeout=3.0, progress_every=1.0)
+    assert code == 124
+    child_pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(child_pid, 0)
+    log_text = (tmp_path / "hangs.log").read_text()
+    # Both processes printed their traceback (they share the log, so the lines may interleave).
+    assert log_text.count("Aborted") == 2 and log_text.count("<module>") == 2, log_text
+    assert "stopped after" in caplog.text and "Aborted" in caplog.text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["lora_llama", "deepcompile_first_step"])
 def test_gpu_benchmarks_smoke_on_cpu(tmp_path: Path, name: str) -> None:
     # Each GPU benchmark runs its own code at toy size on the CPU (timings mean nothing here).
-    r = subprocess.run([sys.executable, "-m", "bench", name, "--smoke", "--output-dir",
-                        str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=900)
+    # A per-process limit below the test's own: a hung process is stopped with its tracebacks
+    # in the output below, instead of the test timing out blind.
+    r = subprocess.run([sys.executable, "-m", "bench", name, "--smoke", "--timeout", "600",
+                        "--output-dir", str(tmp_path)], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["bench"] == name and result["mode"] == "smoke"

@@ -6,7 +6,12 @@ gloo's queue lock against the GIL), and still compute the same results.
 Two real gloo ranks, real DeepSpeed comm. A recording dispatch mode shows the path a collective
 takes: unpatched, DeepSpeed's c10d ops pass through it (``c10d.allreduce_``,
 ``c10d._allgather_base_``): the path that reaches gloo holding the GIL. No test runs that path on
-purpose: it is the deadlock (a run of it hung here once). Patched, they do not pass through it.
+purpose on two ranks: it is the deadlock. Patched, they do not pass through it. DeepCompile's
+passes create their small integer tensors inside their ``FakeTensorMode``, where
+``torch.tensor([n])`` is a fake tensor carrying a real constant and the fake mode runs the
+collective on that constant holding the GIL (the case the patch first missed: a CI run hung in
+``_reduce_int``); a one-rank stress run of that pattern hangs within a few thousand collectives
+unpatched and must finish patched.
 """
 
 from __future__ import annotations
@@ -65,10 +70,17 @@ def _collectives_under_python_dispatch(rank: int, world_size: int) -> Dict[str, 
         with enable_python_dispatcher(), in_session:
             smallest = torch.tensor([rank + 5])
             ds_dist.all_reduce(smallest, op=ds_dist.ReduceOp.MIN)
+    # ...and as DeepSpeed's ``_reduce_int`` does: the tensor made inside the fake mode (a fake
+    # tensor whose constant is the real value), reduced, read back with .item().
+    in_fake = Recording()
+    with enable_python_dispatcher(), FakeTensorMode(), in_fake:
+        least = torch.tensor([rank + 7], dtype=torch.int64)
+        ds_dist.all_reduce(least, op=ds_dist.ReduceOp.MIN)
+        least_value = int(least.item())
     return {"ops": seen.ops, "max": int(biggest.item()), "gathered": gathered.tolist(),
             "broadcast": float(shared.item()), "sum": int(total.item()),
             "session_ops": in_session.ops, "session_is_compiling": compiling,
-            "min": int(smallest.item())}
+            "min": int(smallest.item()), "fake_ops": in_fake.ops, "fake_min": least_value}
 
 
 def test_patched_collectives_skip_python_dispatch_and_compute_the_same() -> None:
@@ -80,20 +92,58 @@ def test_patched_collectives_skip_python_dispatch_and_compute_the_same() -> None
         assert result["sum"] == 3
         assert [op for op in result["session_ops"] if op.startswith("c10d.")] == []
         assert result["min"] == 5
+        assert "aten.lift_fresh" in result["fake_ops"]  # the fake mode saw the tensor being made
+        assert [op for op in result["fake_ops"] if op.startswith("c10d.")] == []
+        assert result["fake_min"] == 7
     assert result["session_is_compiling"] or not hasattr(torch.compiler, "_compile_session_context")
 
 
-def test_only_real_cpu_tensors_are_taken_out_of_python_dispatch() -> None:
+def test_collectives_get_real_cpu_tensors_or_are_left_alone() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ds_z3native.compat.gloo_collectives import _real_cpu_tensors
+    from ds_z3native.compat.gloo_collectives import real_cpu_arguments
 
-    assert _real_cpu_tensors((torch.zeros(2), [torch.ones(1)]), {"group": None})
-    assert not _real_cpu_tensors((), {"group": None})  # nothing to send
-    assert not _real_cpu_tensors((torch.zeros(2, device="meta"),), {})
+    a, b = torch.zeros(2), torch.ones(1)
+    args, kwargs = real_cpu_arguments((a, [b]), {"group": None})
+    assert args[0] is a and isinstance(args[1], list) and args[1][0] is b
+    assert kwargs == {"group": None}
+    assert real_cpu_arguments((), {"group": None}) is None  # nothing to send
+    assert real_cpu_arguments((torch.zeros(2, device="meta"),), {}) is None
     with FakeTensorMode() as fake:
-        fake_tensor = fake.from_tensor(torch.zeros(2))
-    assert not _real_cpu_tensors((torch.zeros(2), fake_tensor), {})  # traced: left as it is
+        traced = fake.from_tensor(torch.zeros(2))  # a fake with no real value: left as it is
+        made_here = torch.tensor([3])  # what DeepCompile's passes reduce: carries its constant
+    assert real_cpu_arguments((a, traced), {}) is None
+    args, _ = real_cpu_arguments((made_here,), {})
+    assert args[0] is made_here.constant and args[0].tolist() == [3]
+    _, kwargs = real_cpu_arguments((), {"tensor": made_here})
+    assert kwargs["tensor"] is made_here.constant
+
+
+def _reduce_ints_in_a_fake_mode(rank: int, world_size: int, count: int) -> int:
+    import deepspeed
+    import deepspeed.comm as ds_dist
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import ds_z3native
+
+    ds_z3native.install()
+    deepspeed.init_distributed(dist_backend="gloo")
+    done = 0
+    with enable_python_dispatcher(), FakeTensorMode():
+        for i in range(count):
+            value = torch.tensor([i], dtype=torch.int64)
+            ds_dist.all_reduce(value, op=ds_dist.ReduceOp.MIN)
+            done += int(value.item()) == i
+    return done
+
+
+@pytest.mark.slow
+def test_many_collectives_in_a_fake_mode_do_not_deadlock() -> None:
+    # Unpatched (or patched for real tensors only) this hung before 2,000 collectives in each of
+    # four runs here; patched, 30,000 ran in 35 s.
+    count = 6000
+    assert run_ranks(_reduce_ints_in_a_fake_mode, 1, count, timeout=240) == [count]
 
 
 def test_uninstall_restores_deepspeeds_collectives() -> None:

@@ -7,22 +7,27 @@ gloo's ``ProcessGroupGloo::enqueue`` from a Python dispatch handler, holding the
 worker thread destroys a finished work while holding the queue lock, and dropping the work's
 last tensor reference takes the GIL when a Python object owns the tensor. When the two meet,
 the caller waits for the queue lock holding the GIL and the worker waits for the GIL holding the
-queue lock: the process hangs for good (seen once in six CPU DeepCompile runs, inside
-``deepspeed.compile.passes.zero3_compile._reduce_int``). The worker also inherits the caller's
-Python dispatcher, so executing the collective itself needs the GIL.
+queue lock: the process hangs for good (a CI run hung inside
+``deepspeed.compile.passes.zero3_compile._reduce_int``; a loop of that call in a fake mode hangs
+within 2,000 collectives here). The worker also inherits the caller's Python dispatcher, so
+executing the collective itself needs the GIL.
 
 * :data:`GLOO_COLLECTIVES_OUTSIDE_PYTHON_DISPATCH` (every release): each collective of DeepSpeed's
-  torch backend, called with real CPU tensors while the Python dispatcher or a dispatch mode is
-  active (and not while Dynamo traces), runs with both switched off. A real tensor's collective
-  means the same with or without them (a fake mode passes real tensors through to the kernel);
-  without them it goes through pybind's GIL release straight to gloo. CUDA tensors (NCCL) and
-  traced collectives are left as they are. ds_z3native's own op issues its collectives the same
-  way in C++ (``csrc/comm/c10d_collectives.cpp``).
+  torch backend, called while the Python dispatcher or a dispatch mode is active (and not while
+  Dynamo traces), runs with both switched off when every tensor it is given has a real CPU value:
+  a real CPU tensor, or a fake tensor carrying a real constant. The latter is what DeepCompile's
+  passes reduce: they create ``torch.tensor([n])`` inside their ``FakeTensorMode``, which makes a
+  fake tensor holding the real value as its constant and would run the collective on that
+  constant, holding the GIL. The patch runs it on the constant itself, where a read of the fake
+  tensor (``.item()``) finds the result. Without the modes the call goes through pybind's GIL
+  release straight to gloo, and means the same. CUDA tensors (NCCL), fake tensors with no real
+  value and traced collectives are left as they are. ds_z3native's own op issues its collectives
+  the same way in C++ (``csrc/comm/c10d_collectives.cpp``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from packaging.version import Version
@@ -31,7 +36,8 @@ from . import Patch, Undo
 from ._rebind import undo_all, wrap_method
 
 __all__ = ["COLLECTIVES", "GLOO_COLLECTIVES_OUTSIDE_PYTHON_DISPATCH", "PATCHES",
-           "python_dispatch_active", "outside_python_dispatch", "patch_gloo_collectives"]
+           "python_dispatch_active", "outside_python_dispatch", "patch_gloo_collectives",
+           "real_cpu_arguments"]
 
 # DeepSpeed's TorchBackend methods that issue a collective on tensors (barrier has none of ours).
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "broadcast",
@@ -46,26 +52,50 @@ def python_dispatch_active() -> bool:
                 or torch._C._len_torch_dispatch_stack() > 0)
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-
-
-def _real_cpu_tensors(args: tuple, kwargs: dict) -> bool:
-    """Every tensor argument is a real (not fake, not a wrapper subclass) CPU tensor, and there
-    is at least one."""
+def _issuable(value: Any) -> Any:
+    """``value`` with each tensor as gloo would receive it: a real CPU tensor as it is, a fake
+    tensor by the real CPU constant it carries (what ``FakeTensorMode`` would run the collective
+    on); ``_NOT_ISSUABLE`` where a tensor is neither (meta, CUDA, a fake without a constant, a
+    wrapper subclass). Lists and tuples are mapped item by item."""
     from torch._subclasses.fake_tensor import is_fake
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    found = False
-    for t in _tensors(list(args) + list(kwargs.values())):
-        if t.device.type != "cpu" or is_fake(t) or is_traceable_wrapper_subclass(t):
-            return False
-        found = True
-    return found
+    if isinstance(value, torch.Tensor):
+        if is_fake(value):
+            value = getattr(value, "constant", None)
+            if value is None or is_fake(value):
+                return _NOT_ISSUABLE
+        if value.device.type != "cpu" or is_traceable_wrapper_subclass(value):
+            return _NOT_ISSUABLE
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_issuable(item) for item in value]
+        if any(item is _NOT_ISSUABLE for item in items):
+            return _NOT_ISSUABLE
+        return type(value)(items)
+    return value
+
+
+_NOT_ISSUABLE = object()
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (list, tuple)) and any(_has_tensor(item) for item in value)
+
+
+def real_cpu_arguments(args: tuple, kwargs: dict) -> Optional[Tuple[tuple, Dict[str, Any]]]:
+    """The collective's arguments with every tensor a real CPU tensor (fake tensors replaced by
+    their constants, see :func:`_issuable`), or None when some tensor has no real CPU value or
+    there is no tensor at all."""
+    if not _has_tensor(list(args) + list(kwargs.values())):
+        return None
+    real_args = _issuable(tuple(args))
+    real_kwargs = {key: _issuable(value) for key, value in kwargs.items()}
+    if real_args is _NOT_ISSUABLE or any(v is _NOT_ISSUABLE for v in real_kwargs.values()):
+        return None
+    return real_args, real_kwargs
 
 
 def outside_python_dispatch(collective: Callable) -> Callable:
@@ -78,11 +108,13 @@ def outside_python_dispatch(collective: Callable) -> Callable:
         # trace) and it is False when this runs. Not is_compiling(): that flag stays True for a
         # whole torch.compile session, backends included, which is where DeepCompile's passes
         # issue their collectives.
-        if (torch.compiler.is_dynamo_compiling() or not python_dispatch_active()
-                or not _real_cpu_tensors(args, kwargs)):
+        if torch.compiler.is_dynamo_compiling() or not python_dispatch_active():
+            return collective(self, *args, **kwargs)
+        real = real_cpu_arguments(args, kwargs)
+        if real is None:
             return collective(self, *args, **kwargs)
         with torch._C._DisablePythonDispatcher(), _disable_current_modes():
-            return collective(self, *args, **kwargs)
+            return collective(self, *real[0], **real[1])
 
     return collective_outside_python_dispatch
 
@@ -97,9 +129,10 @@ def patch_gloo_collectives() -> Undo:
 
 GLOO_COLLECTIVES_OUTSIDE_PYTHON_DISPATCH = Patch(
     name="gloo-collectives-outside-python-dispatch",
-    summary="DeepSpeed's collectives on real CPU tensors, called under torch.compile's Python "
-            "dispatcher or a dispatch mode (DeepCompile's passes and profiler), run without "
-            "them: gloo's queue lock and the GIL no longer deadlock",
+    summary="DeepSpeed's collectives on real CPU tensors (or the real constants of fake "
+            "tensors), called under torch.compile's Python dispatcher or a dispatch mode "
+            "(DeepCompile's passes and profiler), run without them: gloo's queue lock and the "
+            "GIL no longer deadlock",
     apply=patch_gloo_collectives,
     first=Version("0.19.0"),
     last=None,

@@ -9,6 +9,7 @@ with the same inductor cache directory is served by inductor's FX-graph cache.
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -104,11 +105,24 @@ def test_the_wrapped_compiler_gives_inductor_canonical_ids() -> None:
         assert m.graph_aliases() == {-1: DS_GRAPH}
         import deepspeed
 
-        # Cached code is specific to the DeepSpeed release (its lowering of the dc ops) and ours.
-        assert seen["tag"] == f"deepspeed-{deepspeed.__version__}+ds_z3native-{ds_z3native.__version__}"
+        # Cached code is specific to the DeepSpeed release (its lowering of the dc ops) and ours,
+        # down to the bytes: a rebuild of our library at the same version changes the tag.
+        versions = f"deepspeed-{deepspeed.__version__}+ds_z3native-{ds_z3native.__version__}"
+        assert seen["tag"] == f"{versions}+{gid.build_fingerprint()}"
+        assert re.fullmatch(r"[0-9a-f]{16}", gid.build_fingerprint())
         assert torch.compiler.config.cache_key_tag == ""
         x = torch.randn(2)
         assert torch.allclose(compiled(x, torch.empty(0)), x * w)
+
+
+def test_the_fingerprint_follows_the_bytes(tmp_path) -> None:
+    lib, source = tmp_path / "_C.so", tmp_path / "inductor.py"
+    lib.write_bytes(b"\x7fELF build 1")
+    source.write_text("lowering = 1\n")
+    first = gid.fingerprint([lib, source])
+    assert gid.fingerprint([lib, source]) == first
+    lib.write_bytes(b"\x7fELF build 2")  # rebuilt at the same version
+    assert gid.fingerprint([lib, source]) != first
 
 
 def test_a_graph_without_dc_calls_of_its_own_is_compiled_as_it_is() -> None:

@@ -17,15 +17,19 @@ everything; only kernel-level caches help.
   DeepSpeed's profile also points to, after its passes have read it (they read ds_ids and node
   names, never the graph id); DeepSpeed's own tables keep its ids. A graph holding no dc call of
   its graph (a pass schedule that gathers nothing) is left as it is. While inductor compiles
-  it, ``torch.compiler.config.cache_key_tag`` also names the DeepSpeed and ds_z3native versions:
-  the cached code depends on DeepSpeed's lowering of the dc ops, which inductor's key does not
-  cover, so an upgrade never reuses code compiled for another release.
+  it, ``torch.compiler.config.cache_key_tag`` also names the DeepSpeed and ds_z3native versions
+  and a fingerprint of their bytes (our native library, DeepSpeed's inductor module): the cached
+  code depends on DeepSpeed's lowering of the dc ops and on our op, which inductor's key does
+  not cover, so an upgrade or a rebuild never reuses code compiled for another.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
-from typing import Any, Callable, Dict
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable
 
 from packaging.version import Version
 
@@ -109,15 +113,37 @@ def canonicalize_graph_ids(graph: Any, graph_id: int, canonical: int) -> int:
 
 
 def cache_key_tag(base: str) -> str:
-    """``base`` (torch.compiler.config.cache_key_tag) extended with the DeepSpeed and ds_z3native
-    versions: the compiled code of a DeepCompile graph depends on DeepSpeed's lowering of the dc
-    ops and on our op, neither of which inductor's cache key covers."""
+    """``base`` (torch.compiler.config.cache_key_tag) extended with what the compiled code of a
+    DeepCompile graph depends on and inductor's cache key does not cover: DeepSpeed's lowering of
+    the dc ops and our op. Named by versions, and by a fingerprint of the bytes (our native
+    library, DeepSpeed's inductor module), so a rebuild or an edited checkout at the same
+    version misses instead of running stale code."""
     import deepspeed
 
     from .. import __version__
 
-    tag = f"deepspeed-{deepspeed.__version__}+ds_z3native-{__version__}"
+    tag = f"deepspeed-{deepspeed.__version__}+ds_z3native-{__version__}+{build_fingerprint()}"
     return f"{base}|{tag}" if base else tag
+
+
+@functools.lru_cache(maxsize=None)
+def build_fingerprint() -> str:
+    """:func:`fingerprint` of the loaded ``ds_z3native._C`` library and DeepSpeed's
+    ``deepspeed.compile.inductor`` source (computed once per process)."""
+    import importlib
+
+    from .. import _native
+
+    modules = (_native.load(), importlib.import_module(INDUCTOR_MODULE))
+    return fingerprint([Path(m.__file__) for m in modules if getattr(m, "__file__", None)])
+
+
+def fingerprint(paths: Iterable[Path]) -> str:
+    """16 hex digits of SHA-256 over the bytes of ``paths``, in order."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _canonical_compiler(compiler: Callable, graph_id: int) -> Callable:

@@ -17,7 +17,13 @@ a step: all-gathers, reduce-scatters, bucket flushes and bytes, at the first ste
 one, with the all-gather bytes of the persistent frozen params split out (gathered once, or
 again every step). ours counts with ``comm_stats()``; DeepSpeed's op has no counters, so its
 collectives are counted in a separate, untimed run from NCCL's own log
-(``NCCL_DEBUG_SUBSYS=COLL``), split per category by marker all-reduces.
+(``NCCL_DEBUG_SUBSYS=COLL``), split per category by marker all-reduces. The per-category count
+of ours happens in untimed steps only (the first warm-up and one after the timed steps).
+
+``per_call_us`` separates the op calls' own host cost from the step: microseconds per
+allgather/wait/release of a persistent param already gathered (``kept``: dispatch and
+bookkeeping only) and of the smallest non-persistent one (``gathered``: a real all-gather and
+free each time), over 2,000 calls each, after the steps.
 
 ``python -m bench native_micro [--smoke]`` runs it through the suite;
 ``python -m bench.native_micro --impl ours --ranks 2 --smoke --output x.json`` runs one
@@ -53,6 +59,9 @@ __all__ = ["ParamSpec", "MicroConfig", "make_params", "deepspeed_op_available", 
            "run", "smoke", "commands", "main"]
 
 GRAPH = 0
+# Calls per probe of the op calls' host cost (_Driver.probe).
+PROBE_CALLS = 2000
+PROBE_CALLS_SMOKE = 200
 N_PARAMS = 500
 FROZEN_SHARE = 0.9
 # Shapes of a Llama-1B-like layer stack (hidden 2048, MLP 5632, LoRA r=16), plus odd sizes.
@@ -245,6 +254,30 @@ class _Driver:
         return {"step_ms": (t2 - t0) * 1e3, "forward_ms": (t1 - t0) * 1e3,
                 "backward_ms": (t2 - t1) * 1e3, "comm": self._stats(), "per_category": per_cat}
 
+    def probe(self, calls: int) -> Dict[str, float]:
+        """Host cost of the op calls themselves, microseconds per param, over ``calls`` params:
+        ``kept``: allgather/wait/release of a persistent param already gathered (no collective,
+        no allocation: dispatch and bookkeeping only); ``gathered``: the same triple on the
+        smallest non-persistent param (a real all-gather and free each time)."""
+        ops = self.torch.ops.dc
+        kept = next((p for p in self.params if p.persistent), None)
+        small = min((p for p in self.params if not p.persistent), key=lambda p: p.numel,
+                    default=None)
+        out: Dict[str, float] = {}
+        for name, p in (("kept", kept), ("gathered", small)):
+            if p is None:
+                continue
+            for timed in (False, True):  # an untimed pass first: gathers the persistent one
+                self.sync()
+                t0 = time.perf_counter()
+                for _ in range(calls if timed else 10):
+                    t = ops.wait_allgather(ops.allgather_param(self.ph, GRAPH, p.ds_id), GRAPH,
+                                           p.ds_id)
+                    ops.release_param(t, GRAPH, p.ds_id, 1)
+                self.sync()
+            out[name] = (time.perf_counter() - t0) / calls * 1e6
+        return out
+
     def close(self) -> None:
         self.m.cleanup()
 
@@ -272,15 +305,20 @@ def _rank_main(rank: int, world_size: int, port: int, impl: str, cfg_dict: Dict[
             driver.step()
             result = {"ok": True}
         else:
+            # Per-category accounting (a comm_stats() call around every gather) runs in the
+            # first warm-up step and in one untimed step after the timed ones, never in a timed
+            # step: DeepSpeed's op has no counters and would not pay for it.
             steps = []
             for i in range(cfg.warmup + cfg.steps):
-                account = i == 0 or i == cfg.warmup + cfg.steps - 1
-                steps.append(driver.step(account=account and driver.has_stats))
+                steps.append(driver.step(account=i == 0 and driver.has_stats))
                 if rank == 0 and (i + 1) % 10 == 0:
                     logging.getLogger("bench.native_micro").info(
                         "%s: step %d/%d", impl, i + 1, cfg.warmup + cfg.steps)
+            accounted = driver.step(account=driver.has_stats)
+            per_call_us = driver.probe(PROBE_CALLS_SMOKE if cfg.smoke else PROBE_CALLS)
             peak, kind = peak_memory_gib(device.type)
-            result = {"ok": True, "steps": steps, "peak_gib": peak, "peak_kind": kind,
+            result = {"ok": True, "steps": steps, "accounted_step": accounted,
+                      "per_call_us": per_call_us, "peak_gib": peak, "peak_kind": kind,
                       "device": torch.cuda.get_device_name() if cuda else "cpu"}
         driver.close()
         dist.barrier()
@@ -422,14 +460,16 @@ def run_impl(impl: str, cfg: MicroConfig, timeout: float = 1800.0) -> Dict[str, 
         "forward_gather_ms": summarize([s["forward_ms"] for s in timed]),
         "backward_gather_reduce_ms": summarize([s["backward_ms"] for s in timed]),
         "peak_gib": res["peak_gib"], "peak_kind": res["peak_kind"], "device": res["device"],
+        "per_call_us": res["per_call_us"],
     }
     if steps[0].get("comm") is not None:
-        first, later = dict(steps[0]["comm"]), dict(steps[-1]["comm"])
+        last = res["accounted_step"]
+        first, later = dict(steps[0]["comm"]), dict(last["comm"])
         first["per_category"], later["per_category"] = (steps[0]["per_category"],
-                                                         steps[-1]["per_category"])
+                                                         last["per_category"])
         record["collectives"] = _collectives(first, later, "comm_stats()")
         record["collectives"]["timed_steps_identical"] = all(
-            s["comm"] == timed[0]["comm"] for s in timed)
+            s["comm"] == timed[0]["comm"] for s in timed + [last])
     else:
         record["collectives"] = _count_with_nccl_log(impl, cfg, timeout)
     return record

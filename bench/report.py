@@ -165,9 +165,10 @@ def _native_micro(result: Mapping[str, Any]) -> List[str]:
         r = result["runs"][key]
         name = {"ours": "ds_z3native", "deepspeed": "DeepSpeed's op"}.get(key, key)
         if not run_ok(r):
-            rows.append([name, _error(r)] + ["-"] * 6)
+            rows.append([name, _error(r)] + ["-"] * 7)
             continue
         col = r.get("collectives") or {}
+        probe = r.get("per_call_us") or {}
         first, later = col.get("first_step") or {}, col.get("later_step") or {}
         pf = col.get("persistent_frozen_allgather_bytes") or {}
         gathers = _num(later.get("allgather_calls"), "{:d}")
@@ -178,6 +179,7 @@ def _native_micro(result: Mapping[str, Any]) -> List[str]:
                      f"{_num(later.get('bucket_flushes'), '{:d}')}",
                      _bytes(later.get("allgather_bytes")),
                      f"{_bytes(pf.get('first_step'))} → {_bytes(pf.get('later_step'))}",
+                     f"{_num(probe.get('kept'), '{:.1f}')} / {_num(probe.get('gathered'), '{:.1f}')}",
                      _num(r.get("peak_gib"), "{:.2f}", " GiB")])
     title = (f"**Native reduce/gather microbenchmark** ({s.get('params', '?')} params, "
              f"{s.get('frozen', '?')} frozen, {s.get('persistent', '?')} persistent, one graph, "
@@ -186,7 +188,7 @@ def _native_micro(result: Mapping[str, Any]) -> List[str]:
     return [title, ""] + _table(
         ["op", "ms/step (min–max)", "ratio", "all-gathers / step", "reduce-scatters / flushes",
          "all-gather bytes / step", "persistent frozen all-gather bytes: step 1 → later",
-         "peak"], rows)
+         "µs per gather/wait/release: kept / gathered", "peak"], rows)
 
 
 _LORA_ORDER = ("plain", "none", "upstream", "reentrant", "ours", "dc", "dc-ckpt", "dc-ckpt-lowmem",

@@ -54,6 +54,10 @@ def test_native_micro_smoke_writes_the_result_format(micro: Dict[str, Any]) -> N
         stats = ours[key]
         assert stats["min"] <= stats["median"] <= stats["max"] and stats["n"] == setup["steps"]
     assert ours["peak_gib"] > 0 and ours["peak_kind"]
+    # The op calls' own host cost: a kept (persistent) param costs no collective, a gathered one
+    # does, so it costs more.
+    probe = ours["per_call_us"]
+    assert 0 < probe["kept"] < probe["gathered"]
     assert micro["baseline"] in micro["runs"]
     assert ours["ratio"]["step_ms"] > 0
     ds = micro["runs"]["deepspeed"]

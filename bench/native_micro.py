@@ -21,7 +21,7 @@ collectives are counted in a separate, untimed run from NCCL's own log
 of ours happens in untimed steps only (the first warm-up and one after the timed steps).
 
 ``per_call_us`` separates the op calls' own host cost from the step: microseconds per
-allgather/wait/release of a persistent param already gathered (``kept``: dispatch and
+allgather/wait/release triple on a persistent param already gathered (``kept``: dispatch and
 bookkeeping only) and of the smallest non-persistent one (``gathered``: a real all-gather and
 free each time), over 2,000 calls each, after the steps.
 
@@ -108,6 +108,13 @@ class MicroConfig:
     bucket_elems: int = 1 << 24
     dtype: str = "bf16"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # The first step is the cold one whose collectives are counted per category; it must
+        # not be a timed one.
+        if self.warmup < 1 or self.steps < 1:
+            raise ValueError(f"native_micro needs warmup >= 1 and steps >= 1, got warmup="
+                             f"{self.warmup}, steps={self.steps}")
 
     @classmethod
     def for_mode(cls, smoke: bool, ranks: Optional[int] = None,
@@ -255,9 +262,9 @@ class _Driver:
                 "backward_ms": (t2 - t1) * 1e3, "comm": self._stats(), "per_category": per_cat}
 
     def probe(self, calls: int) -> Dict[str, float]:
-        """Host cost of the op calls themselves, microseconds per param, over ``calls`` params:
-        ``kept``: allgather/wait/release of a persistent param already gathered (no collective,
-        no allocation: dispatch and bookkeeping only); ``gathered``: the same triple on the
+        """Host cost of the op calls themselves: microseconds per allgather/wait/release triple
+        on one param, repeated ``calls`` times. ``kept``: a persistent param already gathered
+        (no collective, no allocation: dispatch and bookkeeping only); ``gathered``: the
         smallest non-persistent param (a real all-gather and free each time)."""
         ops = self.torch.ops.dc
         kept = next((p for p in self.params if p.persistent), None)

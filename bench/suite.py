@@ -38,6 +38,7 @@ import os
 import platform
 import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -306,20 +307,19 @@ def run_command(cmd: Command, log_dir: Path, timeout: float = 3600.0,
     """Run ``cmd`` (output to a log file under ``log_dir``), logging its start, a line every
     ``progress_every`` seconds while it runs, and its end; its exit code (124 on timeout).
 
-    The command runs in a session of its own. Past ``timeout`` every process of that session
-    (a launcher's ranks too) gets SIGABRT first, which makes each Python process print every
-    thread's traceback into the log (``PYTHONFAULTHANDLER``), then SIGKILL; the log's tail is
-    logged, so a hang says where it hung."""
+    Past ``timeout`` the command and every process descended from it (a launcher's ranks too)
+    get SIGABRT first, which makes each Python process print every thread's traceback into the
+    log (``PYTHONFAULTHANDLER``), then SIGKILL; the log's tail is logged, so a hang says where it
+    hung."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / (re.sub(r"[^\w.@-]+", "_", cmd.label) + ".log")
     env = dict(os.environ)
-    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(cmd.env)
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT at a timeout prints every thread's traceback
     log.info("%s: %s (log: %s)", cmd.label, cmd.shell(), log_path)
     start = time.monotonic()
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd.argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd.argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         while True:
             try:
                 code = proc.wait(timeout=min(progress_every,
@@ -338,31 +338,65 @@ def run_command(cmd: Command, log_dir: Path, timeout: float = 3600.0,
 
 
 def _stop_session(proc: "subprocess.Popen[bytes]", grace: float = 10.0) -> None:
-    """SIGABRT to every process of ``proc``'s session (tracebacks into the log), then SIGKILL to
-    whatever is left of it."""
-    import signal
-
-    def signal_session(sig: int) -> None:
+    """SIGABRT to ``proc`` and every process descended from it (tracebacks into the log; no
+    core files), then SIGKILL to whatever is left. Descendants are found through /proc, not the
+    process group: torchrun starts each rank in a session of its own."""
+    tree = _process_tree(proc.pid)
+    for pid in tree:
         try:
-            os.killpg(proc.pid, sig)  # the session leader's pid is its process group id
-        except ProcessLookupError:
+            resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+            os.kill(pid, signal.SIGABRT)
+        except (ProcessLookupError, PermissionError):
             pass
-
-    signal_session(signal.SIGABRT)
-    try:
-        proc.wait(timeout=grace)
-        time.sleep(2.0)  # a launcher exits at once; its ranks may still be printing
-    except subprocess.TimeoutExpired:
-        pass
-    signal_session(signal.SIGKILL)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(pid) for pid in tree):
+        time.sleep(0.2)
+    for pid in set(tree) | set(_process_tree(proc.pid)):
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if proc.poll() is None:  # where /proc told nothing
+        proc.kill()
     proc.wait()
 
 
-def _tail(path: Path, lines: int = 60) -> str:
+def _process_tree(root: int) -> List[int]:
+    """``root`` and its living descendants (Linux /proc; only ``root`` where there is none)."""
+    children: Dict[int, List[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (Linux /proc; a zombie, dead but not yet reaped, does not)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False  # gone, and its /proc entry with it
+    return state not in ("Z", "X")
+
+
+def _tail(path: Path, lines: int = 60, max_bytes: int = 65536) -> str:
+    """The last ``lines`` lines of the file at ``path`` (reading at most its last ``max_bytes``)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+            text = f.read().decode(errors="replace")
     except OSError as e:
         return f"(cannot read {path}: {e})"
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def run_commands(cmds: Sequence[Command], ctx: BenchContext) -> List[int]:

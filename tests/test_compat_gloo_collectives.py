@@ -16,6 +16,7 @@ unpatched and must finish patched.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, Dict, List
 
@@ -77,10 +78,30 @@ def _collectives_under_python_dispatch(rank: int, world_size: int) -> Dict[str, 
         least = torch.tensor([rank + 7], dtype=torch.int64)
         ds_dist.all_reduce(least, op=ds_dist.ReduceOp.MIN)
         least_value = int(least.item())
+    # A fake tensor reduced after its fake mode exited still dispatches through that mode.
+    late_mode = FakeTensorMode()
+    through_fake: List[str] = []
+    dispatch = late_mode.dispatch
+    late_mode.dispatch = lambda func, types, args=(), kwargs=None: (  # type: ignore[method-assign]
+        through_fake.append(str(func)), dispatch(func, types, args, kwargs))[1]
+    with late_mode:
+        late = torch.tensor([rank + 20], dtype=torch.int64)
+    ds_dist.all_reduce(late, op=ds_dist.ReduceOp.MIN)
+    late_value = int(late.constant.item())
+    # Traced into a graph (make_fx, as AOTAutograd traces): the collective stays in the graph.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def traced(x: torch.Tensor) -> torch.Tensor:
+        made = torch.tensor([rank + 30], dtype=torch.int64)
+        ds_dist.all_reduce(made, op=ds_dist.ReduceOp.MIN)
+        return x + made
+
+    graph_code = make_fx(traced, tracing_mode="fake")(torch.zeros(1, dtype=torch.int64)).code
     return {"ops": seen.ops, "max": int(biggest.item()), "gathered": gathered.tolist(),
             "broadcast": float(shared.item()), "sum": int(total.item()),
             "session_ops": in_session.ops, "session_is_compiling": compiling,
-            "min": int(smallest.item()), "fake_ops": in_fake.ops, "fake_min": least_value}
+            "min": int(smallest.item()), "fake_ops": in_fake.ops, "fake_min": least_value,
+            "late_ops": through_fake, "late_min": late_value, "graph_code": graph_code}
 
 
 def test_patched_collectives_skip_python_dispatch_and_compute_the_same() -> None:
@@ -95,6 +116,9 @@ def test_patched_collectives_skip_python_dispatch_and_compute_the_same() -> None
         assert "aten.lift_fresh" in result["fake_ops"]  # the fake mode saw the tensor being made
         assert [op for op in result["fake_ops"] if op.startswith("c10d.")] == []
         assert result["fake_min"] == 7
+        assert [op for op in result["late_ops"] if op.startswith("c10d.")] == []
+        assert result["late_min"] == 20
+        assert "torch.ops.c10d.allreduce_" in result["graph_code"]
     assert result["session_is_compiling"] or not hasattr(torch.compiler, "_compile_session_context")
 
 
@@ -117,6 +141,16 @@ def test_collectives_get_real_cpu_tensors_or_are_left_alone() -> None:
     assert args[0] is made_here.constant and args[0].tolist() == [3]
     _, kwargs = real_cpu_arguments((), {"tensor": made_here})
     assert kwargs["tensor"] is made_here.constant
+    # Mixed, and in lists: each fake replaced, each real tensor kept; a container with nothing
+    # to replace is passed on as the same object (a collective may write into the list).
+    outputs = [torch.zeros(1), torch.zeros(1)]
+    args, _ = real_cpu_arguments((outputs, made_here), {})
+    assert args[0] is outputs and args[1] is made_here.constant
+    args, _ = real_cpu_arguments(([a, made_here],), {})
+    assert args[0][0] is a and args[0][1] is made_here.constant
+    Pair = collections.namedtuple("Pair", "first second")
+    args, _ = real_cpu_arguments((Pair(a, made_here),), {})
+    assert isinstance(args[0], Pair) and args[0].second is made_here.constant
 
 
 def _reduce_ints_in_a_fake_mode(rank: int, world_size: int, count: int) -> int:

@@ -125,6 +125,20 @@ def test_the_fingerprint_follows_the_bytes(tmp_path) -> None:
     assert gid.fingerprint([lib, source]) != first
 
 
+def test_an_unreadable_build_leaves_the_versions_in_the_tag(monkeypatch, caplog) -> None:
+    def unreadable(paths) -> str:
+        raise OSError("replaced by a reinstall")
+
+    monkeypatch.setattr(gid, "fingerprint", unreadable)
+    gid.build_fingerprint.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=gid.log.name):
+            assert gid.build_fingerprint() == "unknown-build"
+        assert "replaced by a reinstall" in caplog.text
+    finally:
+        gid.build_fingerprint.cache_clear()
+
+
 def test_a_graph_without_dc_calls_of_its_own_is_compiled_as_it_is() -> None:
     # A pass schedule that gathers nothing never registers the graph with the runtime.
     def inductor_stand_in(gm: fx.GraphModule, example_inputs) -> object:

@@ -129,13 +129,19 @@ def cache_key_tag(base: str) -> str:
 @functools.lru_cache(maxsize=None)
 def build_fingerprint() -> str:
     """:func:`fingerprint` of the loaded ``ds_z3native._C`` library and DeepSpeed's
-    ``deepspeed.compile.inductor`` source (computed once per process)."""
+    ``deepspeed.compile.inductor`` source (computed once per process). Where a file cannot be
+    read, ``"unknown-build"`` with a warning: the tag still names the versions."""
     import importlib
 
     from .. import _native
 
     modules = (_native.load(), importlib.import_module(INDUCTOR_MODULE))
-    return fingerprint([Path(m.__file__) for m in modules if getattr(m, "__file__", None)])
+    try:
+        return fingerprint([Path(m.__file__) for m in modules])
+    except (OSError, TypeError) as e:  # TypeError: a module without a file
+        log.warning("DeepCompile cache tag without a build fingerprint (%s): a rebuild at the "
+                    "same version could reuse cached code compiled for the old build", e)
+        return "unknown-build"
 
 
 def fingerprint(paths: Iterable[Path]) -> str:

@@ -13,21 +13,24 @@ within 2,000 collectives here). The worker also inherits the caller's Python dis
 executing the collective itself needs the GIL.
 
 * :data:`GLOO_COLLECTIVES_OUTSIDE_PYTHON_DISPATCH` (every release): each collective of DeepSpeed's
-  torch backend, called while the Python dispatcher or a dispatch mode is active (and not while
-  Dynamo traces), runs with both switched off when every tensor it is given has a real CPU value:
-  a real CPU tensor, or a fake tensor carrying a real constant. The latter is what DeepCompile's
-  passes reduce: they create ``torch.tensor([n])`` inside their ``FakeTensorMode``, which makes a
-  fake tensor holding the real value as its constant and would run the collective on that
-  constant, holding the GIL. The patch runs it on the constant itself, where a read of the fake
-  tensor (``.item()``) finds the result. Without the modes the call goes through pybind's GIL
-  release straight to gloo, and means the same. CUDA tensors (NCCL), fake tensors with no real
-  value and traced collectives are left as they are. ds_z3native's own op issues its collectives
-  the same way in C++ (``csrc/comm/c10d_collectives.cpp``).
+  torch backend, called while the Python dispatcher or a dispatch mode is active or given a fake
+  tensor (which dispatches through its fake mode even after the mode exited), and not while a
+  graph is recorded (Dynamo, or ``make_fx``/AOTAutograd's proxy or functionalization mode),
+  runs with the dispatcher and the modes switched off when every tensor it is given has a real
+  CPU value: a real CPU tensor, or a fake tensor carrying a real constant. The latter is what
+  DeepCompile's passes reduce: they create ``torch.tensor([n])`` inside their
+  ``FakeTensorMode``, which makes a fake tensor holding the real value as its constant and would
+  run the collective on that constant, holding the GIL. The patch runs it on the constant
+  itself, where a read of the fake tensor (``.item()``) finds the result. Without the modes the
+  call goes through pybind's GIL release straight to gloo, and means the same. CUDA tensors
+  (NCCL), fake tensors with no real value and collectives being traced into a graph are left as
+  they are. ds_z3native's own op issues its collectives the same way in C++
+  (``csrc/comm/c10d_collectives.cpp``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from packaging.version import Version
@@ -36,8 +39,8 @@ from . import Patch, Undo
 from ._rebind import undo_all, wrap_method
 
 __all__ = ["COLLECTIVES", "GLOO_COLLECTIVES_OUTSIDE_PYTHON_DISPATCH", "PATCHES",
-           "python_dispatch_active", "outside_python_dispatch", "patch_gloo_collectives",
-           "real_cpu_arguments"]
+           "python_dispatch_active", "tracing_active", "outside_python_dispatch",
+           "patch_gloo_collectives", "real_cpu_arguments"]
 
 # DeepSpeed's TorchBackend methods that issue a collective on tensors (barrier has none of ours).
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "broadcast",
@@ -52,11 +55,28 @@ def python_dispatch_active() -> bool:
                 or torch._C._len_torch_dispatch_stack() > 0)
 
 
+def tracing_active() -> bool:
+    """Whether a graph is being recorded: Dynamo traces, or ``make_fx``/AOTAutograd's proxy or
+    functionalization mode is active. A collective called then belongs in the graph."""
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    keys = getattr(torch._C, "_TorchDispatchModeKey", None)
+    if keys is None:  # a torch without infra mode keys: nothing is known to trace
+        return False
+    return any(torch._C._get_dispatch_mode(getattr(keys, name)) is not None
+               for name in ("PROXY", "FUNCTIONAL") if hasattr(keys, name))
+
+
+# What _issuable returns for a tensor gloo cannot be given as it is.
+_NOT_ISSUABLE = object()
+
+
 def _issuable(value: Any) -> Any:
     """``value`` with each tensor as gloo would receive it: a real CPU tensor as it is, a fake
     tensor by the real CPU constant it carries (what ``FakeTensorMode`` would run the collective
     on); ``_NOT_ISSUABLE`` where a tensor is neither (meta, CUDA, a fake without a constant, a
-    wrapper subclass). Lists and tuples are mapped item by item."""
+    wrapper subclass). Lists and tuples are mapped item by item; a container in which nothing
+    was replaced is returned as it is (the same object)."""
     from torch._subclasses.fake_tensor import is_fake
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -72,24 +92,31 @@ def _issuable(value: Any) -> Any:
         items = [_issuable(item) for item in value]
         if any(item is _NOT_ISSUABLE for item in items):
             return _NOT_ISSUABLE
-        return type(value)(items)
+        if all(new is old for new, old in zip(items, value)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
 
 
-_NOT_ISSUABLE = object()
-
-
-def _has_tensor(value: Any) -> bool:
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
-        return True
-    return isinstance(value, (list, tuple)) and any(_has_tensor(item) for item in value)
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _any_fake(args: tuple, kwargs: dict) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(is_fake(t) for t in _tensors(list(args) + list(kwargs.values())))
 
 
 def real_cpu_arguments(args: tuple, kwargs: dict) -> Optional[Tuple[tuple, Dict[str, Any]]]:
     """The collective's arguments with every tensor a real CPU tensor (fake tensors replaced by
     their constants, see :func:`_issuable`), or None when some tensor has no real CPU value or
     there is no tensor at all."""
-    if not _has_tensor(list(args) + list(kwargs.values())):
+    if next(_tensors(list(args) + list(kwargs.values())), None) is None:
         return None
     real_args = _issuable(tuple(args))
     real_kwargs = {key: _issuable(value) for key, value in kwargs.items()}
@@ -104,11 +131,14 @@ def outside_python_dispatch(collective: Callable) -> Callable:
     from torch.utils._python_dispatch import _disable_current_modes
 
     def collective_outside_python_dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # is_dynamo_compiling() first: Dynamo traces it as a constant True (the rest it cannot
-        # trace) and it is False when this runs. Not is_compiling(): that flag stays True for a
-        # whole torch.compile session, backends included, which is where DeepCompile's passes
-        # issue their collectives.
-        if torch.compiler.is_dynamo_compiling() or not python_dispatch_active():
+        # tracing_active() first: Dynamo traces is_dynamo_compiling() as a constant True (the
+        # rest it cannot trace) and it is False when this runs. Not is_compiling(): that flag
+        # stays True for a whole torch.compile session, backends included, which is where
+        # DeepCompile's passes issue their collectives.
+        if tracing_active():
+            return collective(self, *args, **kwargs)
+        # A fake tensor dispatches through its fake mode even after the mode has exited.
+        if not python_dispatch_active() and not _any_fake(args, kwargs):
             return collective(self, *args, **kwargs)
         real = real_cpu_arguments(args, kwargs)
         if real is None:

@@ -138,7 +138,7 @@ def build_fingerprint() -> str:
     modules = (_native.load(), importlib.import_module(INDUCTOR_MODULE))
     try:
         return fingerprint([Path(m.__file__) for m in modules])
-    except (OSError, TypeError) as e:  # TypeError: a module without a file
+    except (OSError, AttributeError, TypeError) as e:  # the latter two: a module without a file
         log.warning("DeepCompile cache tag without a build fingerprint (%s): a rebuild at the "
                     "same version could reuse cached code compiled for the old build", e)
         return "unknown-build"

@@ -375,6 +375,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             import ds_z3native
 
             record["persistence"] = dict(ds_z3native.native().persistence_info())
+            # Reduce-bucket memory at its most (bytes): sized to the trainable gradients.
+            record["reduce_bucket_bytes"] = int(
+                ds_z3native.native().comm_stats().get("reduce_bucket_bytes", -1))
     record["step_ms"] = {"median": statistics.median(times), "min": min(times),
                          "max": max(times), "n": len(times), "all": times}
     tokens = args.micro_batch * args.seq * world_size

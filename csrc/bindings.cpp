@@ -142,6 +142,7 @@ py::dict commStats()
     d["allreduce_calls"] = s.allreduce_calls;
     d["allreduce_bytes"] = s.allreduce_bytes;
     d["bucket_flushes"] = s.bucket_flushes;
+    d["reduce_bucket_bytes"] = s.reduce_bucket_bytes;
     return d;
 }
 

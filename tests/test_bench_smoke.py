@@ -242,6 +242,10 @@ def test_gpu_benchmarks_smoke_on_cpu(tmp_path: Path, name: str) -> None:
         if cpu_deepcompile:
             dc = next(v for k, v in ok.items() if k.startswith("dc-ckpt@"))
             assert dc["graph_breaks"] == 0 and len(dc["losses"]) == 7
+            # Reduce buckets sized to the LoRA gradients (fp32, at most both of a double-buffered
+            # pair), not DeepSpeed's reduce_bucket_size (5e8 elements: 2 GB per fp32 bucket).
+            trainable = dc["setup"]["model"]["trainable"]
+            assert 0 < dc["reduce_bucket_bytes"] <= 2 * 4 * trainable
     else:
         if cpu_deepcompile:
             assert any(k.startswith("ours@") and v["first_step_s"]["median"] > 0

@@ -221,6 +221,9 @@ def test_register_z3_param_deepspeed_arities_and_buffers(m) -> None:
     torch.ops.dc.end_backward([None], 0, True)
     assert torch.equal(buf1, g.reshape(-1))
     assert torch.equal(buf2, g.to(torch.bfloat16).float().reshape(-1))
+    # Buckets no larger than the trainable gradients (params 1 and 2, 6 elements each), not
+    # the 4096 elements init was given: one fp32 and one bf16 bucket of 6 + 6 elements.
+    assert m.comm_stats()["reduce_bucket_bytes"] == 12 * 4 + 12 * 2
 
 
 def test_register_param_and_update_grad_buffer_z1_z2(m) -> None:

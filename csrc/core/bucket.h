@@ -38,6 +38,7 @@ public:
     // A slice of n elements of the buffer (allocating or growing it as needed).
     at::Tensor take(int64_t n);
     at::Tensor usedRegion() const;
+    int64_t allocatedBytes() const { return buffer_.defined() ? buffer_.nbytes() : 0; }
     void releaseMemory();
     // Recorded where the last flush finished reading the buffer; writers wait on it.
     std::shared_ptr<Event> drained;

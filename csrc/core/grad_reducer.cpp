@@ -2,6 +2,7 @@
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <unordered_set>
 
 #include "core/check.h"
@@ -48,9 +49,15 @@ GradReducer::PerDtype& GradReducer::stateFor(at::ScalarType dtype, c10::Device d
     auto it = per_dtype_.find(dtype);
     if (it != per_dtype_.end()) { return it->second; }
     PerDtype state;
+    // No bucket larger than all reducible gradients together: with frozen params (LoRA) the
+    // configured size (DeepSpeed's reduce_bucket_size, 5e8 elements by default) is mostly never
+    // written. A param registered or unfrozen later still fits: a full bucket flushes and an
+    // empty one grows; the buckets are sized again after the next release.
+    const int64_t capacity =
+        std::max<int64_t>(1, std::min(capacity_, registry_.reducibleSlotNumel()));
     const int n = double_buffer_ ? 2 : 1;
     for (int i = 0; i < n; ++i) {
-        state.buckets.push_back(std::make_unique<ReduceBucket>(capacity_, dtype, device));
+        state.buckets.push_back(std::make_unique<ReduceBucket>(capacity, dtype, device));
         state.buckets.back()->drained = device_.newEvent();
     }
     return per_dtype_.emplace(dtype, std::move(state)).first->second;
@@ -69,7 +76,7 @@ void GradReducer::add(ParamEntry& p, const at::Tensor& grad_in, const char* op)
         grad = grad.to(*p.expected_grad_dtype);
     }
     const at::ScalarType dtype = grad.scalar_type();
-    const int64_t slot_n = p.partitioned ? p.layout.padded : p.numel;
+    const int64_t slot_n = p.slotNumel();
 
     PerDtype& state = stateFor(dtype, grad.device());
     if (state.bucket().cursor().needsFlushFor(slot_n)) { flush(dtype, state); }
@@ -84,11 +91,21 @@ void GradReducer::add(ParamEntry& p, const at::Tensor& grad_in, const char* op)
         auto scope = device_.use(StreamRole::Copy);
         at::Tensor flat = grad.reshape({-1});
         slot = bucket.take(slot_n);
+        noteBucketMemory();
         slot.narrow(0, 0, p.numel).copy_(flat, /*non_blocking=*/true);
         if (slot_n > p.numel) { slot.narrow(0, p.numel, slot_n - p.numel).zero_(); }
         device_.recordStream(flat, StreamRole::Copy);
     }
     state.tasks.push_back(Task{p.ds_id, slot});
+}
+
+void GradReducer::noteBucketMemory()
+{
+    int64_t bytes = 0;
+    for (const auto& [dtype, state] : per_dtype_) {
+        for (const auto& b : state.buckets) { bytes += b->allocatedBytes(); }
+    }
+    stats_.reduce_bucket_bytes = std::max(stats_.reduce_bucket_bytes, bytes);
 }
 
 void GradReducer::discard(PerDtype& state)

@@ -55,6 +55,8 @@ private:
     PerDtype& stateFor(at::ScalarType dtype, c10::Device device);
     void flush(at::ScalarType dtype, PerDtype& state);
     void discard(PerDtype& state);
+    // Raises stats_.reduce_bucket_bytes to the bucket memory allocated now, if higher.
+    void noteBucketMemory();
 
     ParamRegistry& registry_;
     Collectives& comm_;

@@ -30,4 +30,13 @@ const ParamEntry& ParamRegistry::get(int64_t ds_id, const char* op) const
     return const_cast<ParamRegistry*>(this)->get(ds_id, op);
 }
 
+int64_t ParamRegistry::reducibleSlotNumel() const
+{
+    int64_t n = 0;
+    for (const auto& [id, p] : params_) {
+        if (!p.frozen) { n += p.slotNumel(); }
+    }
+    return n;
+}
+
 }  // namespace dsz

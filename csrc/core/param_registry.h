@@ -52,6 +52,8 @@ struct ParamEntry {
     bool hasGradBuffer() const { return grad_buffer.defined() && grad_buffer.numel() > 0; }
     // Elements of the gradient buffer a reduced gradient needs.
     int64_t requiredGradNumel() const { return partitioned ? layout.per_rank : 0; }
+    // Elements its gradient takes in a reduce bucket (ZeRO-3: the padded length).
+    int64_t slotNumel() const { return partitioned ? layout.padded : numel; }
 };
 
 class ParamRegistry {
@@ -66,6 +68,9 @@ public:
     const ParamEntry& get(int64_t ds_id, const char* op) const;
 
     size_t size() const { return params_.size(); }
+    // Elements one backward's gradients can take in a reduce bucket at the most: the slots
+    // (padded for ZeRO-3) of every param that is not frozen.
+    int64_t reducibleSlotNumel() const;
     std::map<int64_t, ParamEntry>& entries() { return params_; }
     const std::map<int64_t, ParamEntry>& entries() const { return params_; }
     void clear() { params_.clear(); }

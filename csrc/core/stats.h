@@ -13,6 +13,7 @@ struct CommStats {
     int64_t allreduce_calls = 0;
     int64_t allreduce_bytes = 0;
     int64_t bucket_flushes = 0;
+    int64_t reduce_bucket_bytes = 0;  // the most reduce-bucket memory allocated at once
 };
 
 }  // namespace dsz

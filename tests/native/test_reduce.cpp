@@ -103,12 +103,14 @@ TEST_P(ReduceAtWorldSize, MeanOverRanksLandsInEachShardWithZeroPadding)
 TEST_P(ReduceAtWorldSize, TwoGradientsOfOneParamInOneFlushAreSummed)
 {
     // Both gradients sit in the same bucket and flush together: the second must be added to
-    // the first, not received over it.
+    // the first, not received over it. (A bucket is sized to all reducible slots, one per
+    // trainable param: a second trainable param, never reduced, makes room for two.)
     const int64_t ws = GetParam();
     const std::vector<int64_t> shape = {3, 7};
     runRanks(ws, smallConfig(), [&](int64_t rank, Runtime& rt) {
         at::Tensor buf = registerZ3(rt, 1, shape);
-        rt.registerGraph(kGraph, {1}, ZeroStage::Z3);
+        registerZ3(rt, 2, shape);
+        rt.registerGraph(kGraph, {1, 2}, ZeroStage::Z3);
         rt.startBackward(true);
         rt.reduceGrad(kGraph, 1, rankGrad(1, shape, rank, 0));
         rt.reduceGrad(kGraph, 1, rankGrad(1, shape, rank, 1));
@@ -161,6 +163,36 @@ TEST(Buckets, SmallBucketsFlushEarlyAndStillReduceCorrectly)
             });
         }
     }
+}
+
+TEST(Buckets, NoBucketIsLargerThanAllReducibleGradients)
+{
+    // A configured size of 1M elements (DeepSpeed's default is 500M), two small trainable
+    // params and a large frozen one (a LoRA shape): the bucket takes only the trainable slots
+    // (padded 6 + 22 at ws 2), flushes as often as before, and reduces the same values.
+    runRanks(2, smallConfig(1 << 20), [&](int64_t rank, Runtime& rt) {
+        registerZ3(rt, 3, {1000}, /*frozen=*/true, /*persistent=*/false);
+        const GraphParams p = registerGraphOf(rt, {{5}, {3, 7}}, 1);
+        backwardPass(rt, p, rank, 0, /*boundary=*/true, /*release_reduce_buckets=*/true);
+        expectShards(p, 2, rank, {0}, /*padding_zero=*/true);
+        const CommStats s = rt.stats();
+        EXPECT_EQ(s.reduce_bucket_bytes, (6 + 22) * 4);
+        EXPECT_EQ(s.bucket_flushes, 1);
+        EXPECT_EQ(s.reduce_scatter_calls, 2);
+    });
+    // One param reduced twice in a backward (a param two graphs use) overfills a bucket sized
+    // for one slot each: one flush more, the same sum.
+    runRanks(2, smallConfig(1 << 20), [&](int64_t rank, Runtime& rt) {
+        at::Tensor buf = registerZ3(rt, 1, {3, 7});
+        rt.registerGraph(kGraph, {1}, ZeroStage::Z3);
+        rt.startBackward(true);
+        rt.reduceGrad(kGraph, 1, rankGrad(1, {3, 7}, rank, 0));
+        rt.reduceGrad(kGraph, 1, rankGrad(1, {3, 7}, rank, 1));
+        rt.endBackward(kGraph, true);
+        EXPECT_EQ(rt.stats().bucket_flushes, 2);
+        EXPECT_EQ(rt.stats().reduce_bucket_bytes, 2 * 22 * 4);  // double buffered: both used
+        expectShard(buf, expectedShard(1, {3, 7}, 2, rank, {0, 1}), 1);
+    });
 }
 
 // H5: a slot is the padded length and its padding is zero. The bucket memory is first filled

@@ -328,7 +328,7 @@ def run_command(cmd: Command, log_dir: Path, timeout: float = 3600.0,
             except subprocess.TimeoutExpired:
                 elapsed = time.monotonic() - start
                 if elapsed >= timeout:
-                    _stop_session(proc)
+                    _stop_process_tree(proc)
                     log.error("%s: stopped after %.0f s (timeout %.0f s); the log ends:\n%s",
                               cmd.label, elapsed, timeout, _tail(log_path))
                     return 124
@@ -337,7 +337,7 @@ def run_command(cmd: Command, log_dir: Path, timeout: float = 3600.0,
     return code
 
 
-def _stop_session(proc: "subprocess.Popen[bytes]", grace: float = 10.0) -> None:
+def _stop_process_tree(proc: "subprocess.Popen[bytes]", grace: float = 10.0) -> None:
     """SIGABRT to ``proc`` and every process descended from it (tracebacks into the log; no
     core files), then SIGKILL to whatever is left. Descendants are found through /proc, not the
     process group: torchrun starts each rank in a session of its own."""
@@ -366,11 +366,9 @@ def _process_tree(root: int) -> List[int]:
     """``root`` and its living descendants (Linux /proc; only ``root`` where there is none)."""
     children: Dict[int, List[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        fields = _stat_fields(stat)
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -381,11 +379,17 @@ def _process_tree(root: int) -> List[int]:
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (Linux /proc; a zombie, dead but not yet reaped, does not)."""
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    return bool(fields) and fields[0] not in ("Z", "X")  # no fields: gone with its /proc entry
+
+
+def _stat_fields(stat: Path) -> List[str]:
+    """The fields of a /proc/<pid>/stat after the command name (state, ppid, ...); [] when the
+    process is gone."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return stat.read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return False  # gone, and its /proc entry with it
-    return state not in ("Z", "X")
+        return []
 
 
 def _tail(path: Path, lines: int = 60, max_bytes: int = 65536) -> str:

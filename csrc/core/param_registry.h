@@ -68,8 +68,8 @@ public:
     const ParamEntry& get(int64_t ds_id, const char* op) const;
 
     size_t size() const { return params_.size(); }
-    // Elements one backward's gradients can take in a reduce bucket at the most: the slots
-    // (padded for ZeRO-3) of every param that is not frozen.
+    // The slots (padded for ZeRO-3) of every param that is not frozen: what one backward's
+    // gradients take in a reduce bucket when each trainable param is reduced once.
     int64_t reducibleSlotNumel() const;
     std::map<int64_t, ParamEntry>& entries() { return params_; }
     const std::map<int64_t, ParamEntry>& entries() const { return params_; }

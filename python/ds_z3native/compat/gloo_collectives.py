@@ -131,14 +131,18 @@ def outside_python_dispatch(collective: Callable) -> Callable:
     from torch.utils._python_dispatch import _disable_current_modes
 
     def collective_outside_python_dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # tracing_active() first: Dynamo traces is_dynamo_compiling() as a constant True (the
-        # rest it cannot trace) and it is False when this runs. Not is_compiling(): that flag
-        # stays True for a whole torch.compile session, backends included, which is where
-        # DeepCompile's passes issue their collectives.
-        if tracing_active():
+        # is_dynamo_compiling() first: Dynamo traces it as a constant True (the rest it cannot
+        # trace) and it is False when this runs. Not is_compiling(): that flag stays True for a
+        # whole torch.compile session, backends included, which is where DeepCompile's passes
+        # issue their collectives.
+        if torch.compiler.is_dynamo_compiling():
             return collective(self, *args, **kwargs)
-        # A fake tensor dispatches through its fake mode even after the mode has exited.
+        # Every eager collective (ZeRO-3's gathers and reductions) leaves here: nothing would
+        # dispatch through Python. A fake tensor would, through its fake mode, even after the
+        # mode has exited.
         if not python_dispatch_active() and not _any_fake(args, kwargs):
+            return collective(self, *args, **kwargs)
+        if tracing_active():
             return collective(self, *args, **kwargs)
         real = real_cpu_arguments(args, kwargs)
         if real is None:

@@ -486,8 +486,9 @@ def _count_with_nccl_log(impl: str, cfg: MicroConfig, timeout: float) -> Dict[st
     with tempfile.TemporaryDirectory() as d:
         env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "COLL",
                "NCCL_DEBUG_FILE": os.path.join(d, "nccl.%h.%p.log")}
-        counted = dataclasses.replace(cfg, warmup=0, steps=2)
-        res = _spawn(impl, counted, env, account_only=True, timeout=timeout)
+        # The account-only run makes two steps of its own (the cold one, one later), whatever
+        # cfg's warm-up and timed steps say.
+        res = _spawn(impl, cfg, env, account_only=True, timeout=timeout)
         if not res.get("ok"):
             return {"source": "NCCL COLL log", "error": res.get("error")}
         texts = [Path(p).read_text(errors="replace") for p in sorted(glob.glob(

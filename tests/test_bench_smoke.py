@@ -7,6 +7,7 @@ Timings are not asserted (CPU smoke numbers mean nothing); structure and counts 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -89,6 +90,20 @@ def test_native_micro_counts_collectives(micro: Dict[str, Any]) -> None:
 def test_the_counted_first_step_is_never_timed() -> None:
     with pytest.raises(ValueError, match="warmup >= 1"):
         MicroConfig(warmup=0)
+
+
+def test_the_nccl_log_count_runs_on_a_valid_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU run counts DeepSpeed's collectives in a separate untimed run (NCCL's COLL log):
+    that run must start from the benchmark's own config. On gloo NCCL logs nothing, so the
+    count reports zero steps found, not a failed run (GPU host, session 7: a ValueError from
+    a warm-up-free config stopped the whole benchmark after both timed runs)."""
+    from bench.native_micro import _count_with_nccl_log
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    # Few params on one rank: each gather is preceded by a 31 MB marker all-reduce.
+    cfg = dataclasses.replace(MicroConfig.for_mode(smoke=True), n_params=20, ranks=1)
+    counted = _count_with_nccl_log("ours", cfg, timeout=300)
+    assert counted == {"source": "NCCL COLL log", "error": "found 0 step(s) in NCCL's log"}
 
 
 def test_params_are_deterministic_and_mixed() -> None:

@@ -285,6 +285,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
                                 if k.startswith("fxgraph_cache")}
     if args.native == "ours":
         from ds_z3native.compat.deepcompile_eager import eager_gather_of
+        from ds_z3native.compat.deepcompile_graph_ids import cache_bypasses
+
+        result["compile_cache_bypasses"] = [list(b) for b in cache_bypasses()]
 
         gather = eager_gather_of(engine)
         result["eager_gather"] = None if gather is None else {

@@ -374,6 +374,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if variant in OURS_DC:
             import ds_z3native
 
+            from ds_z3native.compat.deepcompile_graph_ids import cache_bypasses
+
+            # Graphs inductor compiled without its FX-graph cache, with inductor's reason.
+            record["compile_cache_bypasses"] = [list(b) for b in cache_bypasses()]
             record["persistence"] = dict(ds_z3native.native().persistence_info())
             # Reduce-bucket memory at its most (bytes): sized to the trainable gradients.
             record["reduce_bucket_bytes"] = int(

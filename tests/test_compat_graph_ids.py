@@ -9,6 +9,7 @@ with the same inductor cache directory is served by inductor's FX-graph cache.
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 
 import pytest
@@ -113,6 +114,43 @@ def test_the_wrapped_compiler_gives_inductor_canonical_ids() -> None:
         assert torch.compiler.config.cache_key_tag == ""
         x = torch.randn(2)
         assert torch.allclose(compiled(x, torch.empty(0)), x * w)
+
+
+def test_inductor_cache_bypasses_are_kept_with_inductors_reason(tmp_path, monkeypatch) -> None:
+    # A real inductor compile on the CPU: a post-grad pass inductor cannot hash makes it bypass
+    # its FX-graph cache (the GPU host's DeepCompile graphs were bypassed, counted but with no
+    # reason on record); a plain compile is cacheable and adds nothing.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    bypasses = gid.CacheBypassLog()
+    level = logging.getLogger(gid.CODECACHE_LOGGER).level
+
+    def opaque_pass(graph: fx.Graph) -> None:
+        pass
+
+    torch._dynamo.reset()
+    with bypasses.watching(-3), torch._inductor.config.patch(post_grad_custom_post_pass=opaque_pass):
+        torch.compile(lambda x: (x * 2).sin(), backend="inductor")(torch.randn(8))
+    assert bypasses.entries() == [(-3, "Unsupported post grad custom pass")]
+    torch._dynamo.reset()
+    with bypasses.watching(-4):
+        torch.compile(lambda x: (x * 3).cos(), backend="inductor")(torch.randn(8))
+    assert bypasses.entries() == [(-3, "Unsupported post grad custom pass")]
+    assert logging.getLogger(gid.CODECACHE_LOGGER).level == level  # restored
+
+
+def test_the_wrapped_compiler_watches_inductor_under_the_canonical_id() -> None:
+    def bypassing_inductor(gm: fx.GraphModule, example_inputs) -> object:
+        torch._dynamo.utils.counters["inductor"]["fxgraph_cache_bypass"] += 1
+        logging.getLogger(gid.CODECACHE_LOGGER).info("Bypassing FX Graph Cache because '%s'",
+                                                     "a reason")
+        return gm
+
+    before = gid.cache_bypasses()
+    with live_runtime(group=local_group()) as m:
+        m.register_z3_param(1, [2], torch.randn(2), torch.zeros(2), False)
+        m.register_graph_z3(DS_GRAPH, [1])
+        gid._canonical_compiler(bypassing_inductor, DS_GRAPH)(_dc_graph(DS_GRAPH), [])
+    assert gid.cache_bypasses() == before + [(-1, "a reason")]
 
 
 def test_the_fingerprint_follows_the_bytes(tmp_path) -> None:

@@ -139,6 +139,7 @@ def test_a_second_run_is_compiled_from_the_fx_graph_cache(tmp_path) -> None:  # 
           f"{cold['step_s'][5]:.1f} s, warm {warm['step_s'][5]:.1f} s")
     assert cold["compile_caches"] == {"fxgraph_cache_miss": 2, "fxgraph_cache_hit": 2}  # fw, bw
     assert warm["compile_caches"] == {"fxgraph_cache_hit": 4}
+    assert cold["compile_cache_bypasses"] == [] and warm["compile_cache_bypasses"] == []
     assert warm["losses"] == cold["losses"]
     assert warm["params"] == cold["params"]
 

@@ -20,16 +20,19 @@ everything; only kernel-level caches help.
   it, ``torch.compiler.config.cache_key_tag`` also names the DeepSpeed and ds_z3native versions
   and a fingerprint of their bytes (our native library, DeepSpeed's inductor module): the cached
   code depends on DeepSpeed's lowering of the dc ops and on our op, which inductor's key does
-  not cover, so an upgrade or a rebuild never reuses code compiled for another.
+  not cover, so an upgrade or a rebuild never reuses code compiled for another. Where inductor
+  declines to cache such a graph at all (its FX-graph cache "bypass"), the reason inductor gives
+  is logged at INFO under this module's logger and kept: :func:`cache_bypasses`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple
 
 from packaging.version import Version
 
@@ -37,7 +40,8 @@ from . import Patch, Undo
 from ._rebind import when_module_imported, wrap_function
 
 __all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "canonical_graph_id", "uses_graph_id",
-           "canonicalize_graph_ids", "cache_key_tag", "patch_canonical_graph_ids",
+           "canonicalize_graph_ids", "cache_key_tag", "CacheBypassLog", "cache_bypasses",
+           "patch_canonical_graph_ids",
            "DEEPCOMPILE_CANONICAL_GRAPH_IDS", "PATCHES"]
 
 log = logging.getLogger(__name__)
@@ -152,6 +156,70 @@ def fingerprint(paths: Iterable[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
+CODECACHE_LOGGER = "torch._inductor.codecache"
+BYPASS_MESSAGE = "Bypassing FX Graph Cache because "
+
+
+class _BypassMessages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reasons: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(BYPASS_MESSAGE):
+            self.reasons.append(message[len(BYPASS_MESSAGE):].strip("'"))
+
+
+def _bypass_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_bypass"])
+
+
+class CacheBypassLog:
+    """The DeepCompile graphs inductor compiled without its FX-graph cache, and why: inductor
+    names the reason only in an INFO message of ``torch._inductor.codecache``, which
+    :meth:`watching` listens to while one graph compiles."""
+
+    def __init__(self) -> None:
+        self._entries: List[Tuple[int, str]] = []
+
+    def entries(self) -> List[Tuple[int, str]]:
+        """(canonical graph id, inductor's reason) per bypassed compile, in compile order."""
+        return list(self._entries)
+
+    @contextlib.contextmanager
+    def watching(self, graph_id: int) -> Iterator[None]:
+        """Record the cache bypasses of the compile run inside this block as ``graph_id``'s."""
+        logger = logging.getLogger(CODECACHE_LOGGER)
+        handler, level = _BypassMessages(), logger.level
+        logger.addHandler(handler)
+        if not logger.isEnabledFor(logging.INFO):
+            logger.setLevel(logging.INFO)
+        before = _bypass_count()
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            bypassed = _bypass_count() - before
+            reasons = handler.reasons or ["inductor logged no reason"] * bypassed
+            for reason in reasons:
+                self._entries.append((graph_id, reason))
+                log.info("inductor compiled DeepCompile graph %d without its FX-graph cache "
+                         "(no reuse in a later run): %s", graph_id, reason)
+
+
+_BYPASSES = CacheBypassLog()
+
+
+def cache_bypasses() -> List[Tuple[int, str]]:
+    """(canonical graph id, reason) for each DeepCompile graph of this process that inductor
+    compiled without its FX-graph cache; empty when every graph could be cached."""
+    return _BYPASSES.entries()
+
+
 def _canonical_compiler(compiler: Callable, graph_id: int) -> Callable:
     def compile_with_canonical_ids(gm: Any, example_inputs: Any) -> Any:
         import torch
@@ -173,10 +241,11 @@ def _canonical_compiler(compiler: Callable, graph_id: int) -> Callable:
         gm.recompile()
         log.debug("DeepCompile graph %d compiled as graph %d", graph_id, canonical)
         config = torch.compiler.config
-        if not hasattr(config, "cache_key_tag"):  # torch without the tag: ids only
-            return compiler(gm, example_inputs)
-        with config.patch(cache_key_tag=cache_key_tag(config.cache_key_tag)):
-            return compiler(gm, example_inputs)
+        with _BYPASSES.watching(canonical):
+            if not hasattr(config, "cache_key_tag"):  # torch without the tag: ids only
+                return compiler(gm, example_inputs)
+            with config.patch(cache_key_tag=cache_key_tag(config.cache_key_tag)):
+                return compiler(gm, example_inputs)
 
     return compile_with_canonical_ids
 

@@ -373,7 +373,6 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             if "cache" in k} or None
         if variant in OURS_DC:
             import ds_z3native
-
             from ds_z3native.compat.deepcompile_graph_ids import cache_bypasses
 
             # Graphs inductor compiled without its FX-graph cache, with inductor's reason.

@@ -95,8 +95,8 @@ def test_the_counted_first_step_is_never_timed() -> None:
 def test_the_nccl_log_count_runs_on_a_valid_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU run counts DeepSpeed's collectives in a separate untimed run (NCCL's COLL log):
     that run must start from the benchmark's own config. On gloo NCCL logs nothing, so the
-    count reports zero steps found, not a failed run (GPU host, session 7: a ValueError from
-    a warm-up-free config stopped the whole benchmark after both timed runs)."""
+    count reports zero steps found, not a failed run (on the GPU host a ValueError from a
+    config without warm-up stopped the whole benchmark after both timed runs)."""
     from bench.native_micro import _count_with_nccl_log
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")

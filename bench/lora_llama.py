@@ -44,6 +44,10 @@ with each run's ratio to the same run's ``upstream`` (eager checkpointing) and `
 A failed run still writes its file, with ``error``.
 
 On a CPU: ``DS_ACCELERATOR=cpu python bench/lora_llama.py --size toy --variant ours``.
+
+Where the time goes: ``--trace DIR`` runs two more steps after the timed ones under
+``torch.profiler`` and writes, per rank, a Chrome trace (``DIR/<variant>-rank<r>.json``) and
+the ops ranked by self device time (self CPU time on a CPU), ``DIR/<variant>-rank<r>-top.txt``.
 """
 
 from __future__ import annotations
@@ -106,6 +110,8 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                         "at toy size)")
     p.add_argument("--no-track-gathered", action="store_true",
                    help="skip the extra instrumented step")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="profile two more steps after the timed ones; traces and op tables here")
     p.add_argument("--output", type=Path, required=True, help="JSON file to write")
     return p.parse_args(argv)
 
@@ -400,6 +406,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         record["peak_gib"] = _peak_rss_gib()
         record["peak_kind"] = "process peak RSS (ru_maxrss), whole run"
     record["losses"] = losses
+    if args.trace is not None:
+        record["trace"] = trace_steps(step, args.trace, f"{variant}-rank{rank}", on_gpu)
     if engine is not None and not deepcompile and not args.no_track_gathered:
         tracker = _GatheredBytes(list(model.parameters()))
         try:
@@ -412,6 +420,28 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
              variant, record["step_ms"]["median"], record["step_ms"]["min"],
              record["step_ms"]["max"], record["tokens_per_s"], record["tflops"], record["peak_gib"])
     return record
+
+
+def trace_steps(step: Callable[[], float], directory: Path, label: str, on_gpu: bool,
+                n: int = 2) -> Dict[str, Any]:
+    """Runs ``n`` more steps under ``torch.profiler``; writes ``directory/<label>.json`` (a Chrome
+    trace) and ``directory/<label>-top.txt`` (ops by self device time, or self CPU time without a
+    GPU). Returns the paths and the number of events recorded."""
+    from torch.profiler import ProfilerActivity, profile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            step()
+    trace = directory / f"{label}.json"
+    prof.export_chrome_trace(str(trace))
+    averages = prof.key_averages()
+    top = directory / f"{label}-top.txt"
+    sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    top.write_text(averages.table(sort_by=sort_by, row_limit=40) + "\n")
+    log.info("%s: profiled %d steps: %s, %s", label, n, trace, top)
+    return {"steps": n, "chrome_trace": str(trace), "top_ops": str(top), "ops": len(averages)}
 
 
 def _comparable_setup(record: Dict[str, Any]) -> Optional[Dict[str, Any]]:

@@ -422,3 +422,23 @@ def test_native_micro_reads_nccls_coll_log_format() -> None:
     assert first["per_category"]["frozen"] == {"allgather_calls": 2, "allgather_bytes": 6144}
     assert first["per_category"]["persistent_frozen"]["allgather_bytes"] == 2048
     assert later["allgather_calls"] == 1 and "persistent_frozen" not in later["per_category"]
+
+
+def test_lora_trace_profiles_two_more_steps(tmp_path: Path) -> None:
+    # --trace: two steps after the timed ones under torch.profiler, a Chrome trace and the op
+    # table per rank; the timed steps and their losses are the same as without it.
+    trace_dir, out = tmp_path / "trace", tmp_path / "ours.json"
+    r = subprocess.run([sys.executable, "bench/lora_llama.py", "--size", "toy", "--variant", "ours",
+                        "--warmup", "1", "--steps", "2", "--no-track-gathered",
+                        "--trace", str(trace_dir), "--output", str(out)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert "error" not in record, record.get("error")
+    assert len(record["losses"]) == 3 and record["step_ms"]["n"] == 2
+    assert record["trace"]["steps"] == 2 and record["trace"]["ops"] > 0
+    events = json.loads((trace_dir / "ours-rank0.json").read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any(n.startswith("aten::mm") or n.startswith("aten::addmm") for n in names), sorted(names)[:40]
+    top = (trace_dir / "ours-rank0-top.txt").read_text()
+    assert "Self CPU" in top and "aten::" in top

@@ -426,7 +426,7 @@ def trace_steps(step: Callable[[], float], directory: Path, label: str, on_gpu: 
                 n: int = 2) -> Dict[str, Any]:
     """Runs ``n`` more steps under ``torch.profiler``; writes ``directory/<label>.json`` (a Chrome
     trace) and ``directory/<label>-top.txt`` (ops by self device time, or self CPU time without a
-    GPU). Returns the paths and the number of events recorded."""
+    GPU). Returns the two paths and the number of distinct ops profiled."""
     from torch.profiler import ProfilerActivity, profile
 
     directory.mkdir(parents=True, exist_ok=True)

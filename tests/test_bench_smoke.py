@@ -425,8 +425,8 @@ def test_native_micro_reads_nccls_coll_log_format() -> None:
 
 
 def test_lora_trace_profiles_two_more_steps(tmp_path: Path) -> None:
-    # --trace: two steps after the timed ones under torch.profiler, a Chrome trace and the op
-    # table per rank; the timed steps and their losses are the same as without it.
+    # --trace: two more steps after the timed ones under torch.profiler, a Chrome trace and the
+    # op table per rank; the record's steps stay the run's own (1 warm-up + 2 timed).
     trace_dir, out = tmp_path / "trace", tmp_path / "ours.json"
     r = subprocess.run([sys.executable, "bench/lora_llama.py", "--size", "toy", "--variant", "ours",
                         "--warmup", "1", "--steps", "2", "--no-track-gathered",

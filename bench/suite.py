@@ -243,6 +243,7 @@ class BenchContext:
     timeout: float = 3600.0
     work_root: Optional[Path] = None  # logs and intermediate files; a new temp dir by default
     variants: Optional[List[str]] = None  # lora_llama: only these, merged into the existing result
+    trace: Optional[Path] = None  # lora_llama: torch.profiler traces of two more steps, here
 
     @property
     def work_dir(self) -> Path:
@@ -574,7 +575,8 @@ def _lora_commands(ctx: BenchContext) -> List[Command]:
         for variant in (variants if not env else tuple(v for v in ("ours",) if v in variants)):
             out = ctx.work_dir / "lora" / f"{variant}-{ds}.json"
             port = ([f"--master_port={free_port()}"] if ranks > 1 else [])
-            cmds.append(Command([*launcher, *port, script, "--variant", variant, *steps,
+            trace = ["--trace", str(ctx.trace / ds)] if ctx.trace is not None else []
+            cmds.append(Command([*launcher, *port, script, "--variant", variant, *steps, *trace,
                                  "--output", str(out)], label=f"lora_llama {variant}@{ds}",
                                 env=env, output=out))
     return cmds
@@ -721,6 +723,9 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--variants", default=None, metavar="A,B",
                    help="lora_llama: run only these variants and merge them into the existing "
                         "result file (its other runs stay)")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="lora_llama: profile two more steps of each variant after its timed ones "
+                        "(torch.profiler; DIR/<deepspeed>/<variant>-rank<r>.json and -top.txt)")
     p.add_argument("--no-report", action="store_true",
                    help="do not regenerate the README table and plot afterwards (a full run "
                         "into bench/results does by default)")
@@ -756,7 +761,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
     ctx = BenchContext(output_dir=args.output_dir or (SMOKE_DIR if args.smoke else RESULTS_DIR),
                        smoke=args.smoke, steps=args.steps, repeats=args.repeats, ranks=args.ranks,
                        extra_deepspeed=_parse_extra(args.deepspeed_path), timeout=args.timeout,
-                       variants=variants)
+                       variants=variants, trace=args.trace)
     if args.dry_run:
         for name in names:
             for run_ctx in contexts_for(benches[name], ctx):

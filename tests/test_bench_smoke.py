@@ -328,6 +328,21 @@ def test_suite_runs_lora_on_two_gpus_under_torchrun() -> None:
     assert "plain" not in variants and {"none", "upstream", "dc", "dc-ckpt"} <= variants
 
 
+def test_suite_passes_trace_to_each_lora_run_per_deepspeed(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--variants",
+                        "dc,dc-upstream", "--trace", str(tmp_path), "--deepspeed-path",
+                        "0.19.2=/nonexistent"],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    cmds = [ln for ln in r.stdout.splitlines() if "lora_llama.py" in ln]
+    assert len(cmds) == 2, r.stdout  # "ours" alone runs on the other DeepSpeed: none picked here
+    import deepspeed
+
+    ds = deepspeed.__version__.split("+")[0]
+    for cmd in cmds:
+        assert f"--trace {tmp_path / ds} " in cmd, cmd
+
+
 def test_a_full_lora_run_adds_two_gpus_where_the_host_has_them(tmp_path: Path) -> None:
     from bench.suite import BenchContext, contexts_for, registry
 

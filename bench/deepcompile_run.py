@@ -11,7 +11,8 @@ and the native runtime are process-wide), and by hand for the closing note's tim
 Models (``--model``): ``seed``, a frozen Linear feeding a trainable one; ``reuse3``, one frozen
 Linear applied three times between trainable layers; ``eager-head``, the seed model whose
 trainable head runs outside Dynamo (``torch._dynamo.disable``: a forced eager fallback);
-``eager-frozen``, the same with a frozen eager layer before a trainable one; ``llama``, an HF
+``eager-frozen``, the same with a frozen eager layer before a trainable one;
+``eager-frozen-flagged``, that eager layer run with torch's compile-session flag up; ``llama``, an HF
 ``LlamaForCausalLM`` from a config (``--size``, see ``ds_z3native.models``) with PEFT LoRA on
 every linear layer, optionally with gradient checkpointing (``--checkpointing``).
 ``--mode eager`` trains the same model without compile, with ZeRO stage ``--eager-stage``
@@ -26,6 +27,7 @@ and, with ds_z3native, what its DeepCompile patches did (hooks removed, eager-fa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import os
@@ -34,7 +36,7 @@ import tempfile
 import time
 import traceback
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 log = logging.getLogger("bench.deepcompile_run")
 
@@ -121,8 +123,42 @@ def build_model(kind: str) -> Any:
             out = self.head(torch.relu(self.frozen(torch.tanh(self.pre(x)))))
             return nn.functional.mse_loss(out.float(), y.float())
 
+    class EagerFrozenFlagged(EagerFrozen):
+        """``EagerFrozen`` whose eager frozen layer runs with ``torch.compiler.is_compiling()``
+        True, as code run during a torch.compile session sees it (how far beyond the trace the
+        flag reaches differs between torch releases): still eager, it needs the gathered weight."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            eager = self.frozen.forward
+
+            def forward_with_compiling_flag(*args: Any, **kwargs: Any) -> Any:
+                with compiling_flag():
+                    return eager(*args, **kwargs)
+
+            self.frozen.forward = torch._dynamo.disable(forward_with_compiling_flag)
+
     return {"seed": Seed, "reuse3": Reuse3, "eager-head": EagerHead,
-            "eager-frozen": EagerFrozen}[kind]()
+            "eager-frozen": EagerFrozen, "eager-frozen-flagged": EagerFrozenFlagged}[kind]()
+
+
+@contextlib.contextmanager
+def compiling_flag() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` reads True inside (torch's own compile-session context
+    where the release has one, else its flag set and restored)."""
+    import torch
+
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 def build_llama(size_name: str, checkpointing: str) -> Any:
@@ -318,7 +354,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--mode", choices=["deepcompile", "eager"], default="deepcompile")
     parser.add_argument("--native", choices=["ours", "deepspeed"], default="ours",
                         help="ours: ds_z3native.install(); deepspeed: DeepSpeed's own op (JIT)")
-    parser.add_argument("--model", choices=["seed", "reuse3", "eager-head", "eager-frozen", "llama"],
+    parser.add_argument("--model", choices=["seed", "reuse3", "eager-head", "eager-frozen",
+                                                 "eager-frozen-flagged", "llama"],
                         default="seed")
     parser.add_argument("--size", default="tiny", help="llama size (ds_z3native.models)")
     parser.add_argument("--checkpointing", choices=["none", "non-reentrant", "reentrant"],

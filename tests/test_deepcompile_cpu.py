@@ -77,6 +77,19 @@ def test_frozen_layer_run_eagerly_is_gathered_and_trains_like_eager() -> None:
 
 
 @needs_cpu_deepcompile
+def test_frozen_layer_run_eagerly_under_torchs_compiling_flag_is_gathered() -> None:
+    # torch raises torch.compiler.is_compiling() for a whole compile session, and how far beyond
+    # Dynamo's trace differs between releases. Eager code running under it is still eager: a
+    # getter that trusted the flag handed it the shape-[0] partition (DeepSpeed's own getter
+    # returns early there too).
+    ours = _ok(run("--model", "eager-frozen-flagged"))
+    ref = _ok(run("--model", "eager-frozen", "--mode", "eager", "--native", "deepspeed"))
+    _assert_same_training(ours, ref, rtol=1e-5, atol=1e-6)
+    assert ours["eager_gather"]["params"] == ["frozen.weight", "frozen.bias"]
+    assert ours["eager_gather"]["held_after_training"] == []
+
+
+@needs_cpu_deepcompile
 def test_eager_gathers_survive_an_evaluation_forward_before_backward() -> None:
     # forward (grad) -> no-grad forward -> backward: the eagerly gathered frozen weight that the
     # first forward's graph saved must still be whole at its backward.

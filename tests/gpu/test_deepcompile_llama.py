@@ -157,9 +157,10 @@ def test_lora_llama_fp32_checkpointing_matches_eager_zero3_tightly(runs: Dict[st
 
 @pytest.mark.xfail(strict=False, reason=(
     "issue 5, open: with transformers' checkpointing graph breaks kept, torch 2.11 on the GPU host "
-    "still fails: DeepSpeed 0.19.8 'weight' must be 2-D at size small (the gather is not reached), "
-    "0.19.2 KeyError wait_allgather_ds_param__arg0_1_0 in DeepCompile's backend. The user path "
-    "(graph breaks removed by install()) trains: the tests above."))
+    "still failed: DeepSpeed 0.19.8 'weight' must be 2-D at size small (the embedding's eager read "
+    "did not reach the gather; the getter then trusted torch.compiler.is_compiling(), now "
+    "is_dynamo_compiling()), 0.19.2 KeyError wait_allgather_ds_param__arg0_1_0 in DeepCompile's "
+    "backend. The user path (graph breaks removed by install()) trains: the tests above."))
 def test_eager_fallback_gather_alone_trains_with_the_graph_breaks_kept(runs: Dict[str, Any]) -> None:
     # Graph breaks left in place: the code Dynamo gives up on runs eagerly and must see gathered
     # params. Where the weak run fails (below), the embedding is what our gather caught.

@@ -13,7 +13,7 @@ its first step with ``RuntimeError: 'weight' must be 2-D`` from the input embedd
 * :data:`EAGER_GATHER` (every release): after ``engine.compile()`` every module with ZeRO-3 params
   of its own gets a parameter dict (a subclass of DeepSpeed's ``ZeROOrderedDict``, so DeepSpeed's
   own getter still runs after ours) whose getter, traced by Dynamo, is the plain lookup
-  (``torch.compiler.is_compiling()`` is constant there), and read eagerly inside the engine's
+  (``torch.compiler.is_dynamo_compiling()`` is constant there), and read eagerly inside the engine's
   forward or backward gathers a partitioned frozen param (``param.all_gather``), held until the
   end of the engine backward of every grad-enabled forward run since (a frozen Linear's backward
   needs its weight for the input gradient; ``retain_graph=True`` keeps them), or until the end of a
@@ -99,7 +99,12 @@ def _eager_params_class() -> type:
 
         def __getitem__(self, key: str) -> Any:
             param = OrderedDict.__getitem__(self, key)
-            if param is None or torch.compiler.is_compiling():
+            # is_dynamo_compiling(): a constant True where Dynamo traces this getter, False
+            # whenever this body runs. Not is_compiling(): that flag is True for a whole compile
+            # session and, depending on the torch release, around more than the trace; eager
+            # code run then is still eager and must get a gathered param. Dynamo reading the
+            # param for real (while tracing or building guards) is told apart by its frames.
+            if param is None or torch.compiler.is_dynamo_compiling():
                 return param
             owner = self._dsz_owner
             if (owner.active and getattr(param, "ds_status", None) == not_available

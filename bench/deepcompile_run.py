@@ -125,8 +125,8 @@ def build_model(kind: str) -> Any:
 
     class EagerFrozenFlagged(EagerFrozen):
         """``EagerFrozen`` whose eager frozen layer runs with ``torch.compiler.is_compiling()``
-        True, as code run during a torch.compile session sees it (how far beyond the trace the
-        flag reaches differs between torch releases): still eager, it needs the gathered weight."""
+        True, as torch raises it for a whole compile session (backends included), not only while
+        Dynamo traces: the layer is still eager and needs the gathered weight."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -355,7 +355,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--native", choices=["ours", "deepspeed"], default="ours",
                         help="ours: ds_z3native.install(); deepspeed: DeepSpeed's own op (JIT)")
     parser.add_argument("--model", choices=["seed", "reuse3", "eager-head", "eager-frozen",
-                                                 "eager-frozen-flagged", "llama"],
+                                            "eager-frozen-flagged", "llama"],
                         default="seed")
     parser.add_argument("--size", default="tiny", help="llama size (ds_z3native.models)")
     parser.add_argument("--checkpointing", choices=["none", "non-reentrant", "reentrant"],

@@ -78,8 +78,8 @@ def test_frozen_layer_run_eagerly_is_gathered_and_trains_like_eager() -> None:
 
 @needs_cpu_deepcompile
 def test_frozen_layer_run_eagerly_under_torchs_compiling_flag_is_gathered() -> None:
-    # torch raises torch.compiler.is_compiling() for a whole compile session, and how far beyond
-    # Dynamo's trace differs between releases. Eager code running under it is still eager: a
+    # torch raises torch.compiler.is_compiling() for a whole compile session (backends
+    # included), not only while Dynamo traces. Eager code running under it is still eager: a
     # getter that trusted the flag handed it the shape-[0] partition (DeepSpeed's own getter
     # returns early there too).
     ours = _ok(run("--model", "eager-frozen-flagged"))

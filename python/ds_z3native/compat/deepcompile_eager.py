@@ -100,9 +100,9 @@ def _eager_params_class() -> type:
         def __getitem__(self, key: str) -> Any:
             param = OrderedDict.__getitem__(self, key)
             # is_dynamo_compiling(): a constant True where Dynamo traces this getter, False
-            # whenever this body runs. Not is_compiling(): that flag is True for a whole compile
-            # session and, depending on the torch release, around more than the trace; eager
-            # code run then is still eager and must get a gathered param. Dynamo reading the
+            # whenever this body runs. Not is_compiling(): torch raises that flag for a whole
+            # compile session (backends included), not only while Dynamo traces; eager code run
+            # under it is still eager and must get a gathered param. Dynamo reading the
             # param for real (while tracing or building guards) is told apart by its frames.
             if param is None or torch.compiler.is_dynamo_compiling():
                 return param

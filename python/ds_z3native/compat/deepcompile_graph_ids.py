@@ -160,15 +160,21 @@ CODECACHE_LOGGER = "torch._inductor.codecache"
 BYPASS_MESSAGE = "Bypassing FX Graph Cache because "
 
 
-class _BypassMessages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
+class _BypassMessages(logging.Filter):
+    """On inductor's cache logger: keeps the reason of each bypass message, and lets through
+    only the records that logger would have emitted anyway (at or above ``floor``), so that
+    lowering its level to read INFO adds nothing to the user's output."""
+
+    def __init__(self, floor: int) -> None:
+        super().__init__()
+        self.floor = floor
         self.reasons: List[str] = []
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if message.startswith(BYPASS_MESSAGE):
             self.reasons.append(message[len(BYPASS_MESSAGE):].strip("'"))
+        return record.levelno >= self.floor
 
 
 def _bypass_count() -> int:
@@ -193,18 +199,19 @@ class CacheBypassLog:
     def watching(self, graph_id: int) -> Iterator[None]:
         """Record the cache bypasses of the compile run inside this block as ``graph_id``'s."""
         logger = logging.getLogger(CODECACHE_LOGGER)
-        handler, level = _BypassMessages(), logger.level
-        logger.addHandler(handler)
+        level = logger.level
+        messages = _BypassMessages(floor=logger.getEffectiveLevel())
+        logger.addFilter(messages)
         if not logger.isEnabledFor(logging.INFO):
             logger.setLevel(logging.INFO)
         before = _bypass_count()
         try:
             yield
         finally:
-            logger.removeHandler(handler)
+            logger.removeFilter(messages)
             logger.setLevel(level)
             bypassed = _bypass_count() - before
-            reasons = handler.reasons or ["inductor logged no reason"] * bypassed
+            reasons = messages.reasons or ["inductor logged no reason"] * bypassed
             for reason in reasons:
                 self._entries.append((graph_id, reason))
                 log.info("inductor compiled DeepCompile graph %d without its FX-graph cache "

@@ -112,6 +112,10 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="skip the extra instrumented step")
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="profile two more steps after the timed ones; traces and op tables here")
+    p.add_argument("--run", default=None, metavar="LABEL",
+                   help="the benchmark invocation this run belongs to (``python -m bench`` gives "
+                        "one label to all its runs); a merged file's ratios compare runs with "
+                        "the same label only")
     p.add_argument("--output", type=Path, required=True, help="JSON file to write")
     return p.parse_args(argv)
 
@@ -267,7 +271,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
-    record: Dict[str, Any] = {"bench": "lora_llama", "variant": variant, "versions": _versions()}
+    record: Dict[str, Any] = {"bench": "lora_llama", "variant": variant, "versions": _versions(),
+                              "run": args.run}
     fix_mode = None
     if variant == "ours":
         from ds_z3native.compat.checkpoint_recompute import apply_recompute_fix, applied_mode
@@ -464,7 +469,12 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     replaced), and gives each run its ratios
     to the ``upstream`` (eager, non-reentrant checkpointing) and ``none`` (eager, no
     checkpointing) runs of the newest DeepSpeed in the file: ``speedup`` = baseline step time /
-    this step time, ``peak_ratio`` = this peak / baseline peak."""
+    this step time, ``peak_ratio`` = this peak / baseline peak, ``baseline_ms`` and ``run``
+    the baseline's step time and run label.
+
+    Ratios compare runs of one invocation only (the same ``run`` label; records without one
+    count as one run). A run whose baseline a later invocation replaced keeps the ratios it got
+    against its own run's baseline; a run with no baseline of its own run gets none."""
     merged: Dict[str, Any] = {"bench": "lora_llama", "runs": {}}
     if output.exists():
         merged = json.loads(output.read_text())
@@ -482,18 +492,23 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     sizes = {(r.get("setup") or {}).get("world_size") for r in merged["runs"].values()} - {None}
     merged["bench"] = bench_name(max(sizes, default=1))
     ok = {k: r for k, r in merged["runs"].items() if "error" not in r and "step_ms" in r}
-    for record in merged["runs"].values():
-        record.pop("vs", None)  # recomputed below from this file's runs only
+    earlier = {k: r.pop("vs", None) or {} for k, r in merged["runs"].items()}
     newest = max((k.split("@")[1] for k in ok), default=None,
                  key=lambda v: Version(v).release)
     for base in ("upstream", "none"):
         ref = ok.get(f"{base}@{newest}")
-        for record in ok.values():
-            if ref is None:
+        for key, record in ok.items():
+            run = record.get("run")
+            if ref is not None and ref.get("run") == run:
+                record.setdefault("vs", {})[base] = {
+                    "speedup": ref["step_ms"]["median"] / record["step_ms"]["median"],
+                    "peak_ratio": (record["peak_gib"] / ref["peak_gib"]
+                                   if ref.get("peak_gib") else None),
+                    "baseline_ms": ref["step_ms"]["median"], "run": run}
                 continue
-            record.setdefault("vs", {})[base] = {
-                "speedup": ref["step_ms"]["median"] / record["step_ms"]["median"],
-                "peak_ratio": record["peak_gib"] / ref["peak_gib"] if ref.get("peak_gib") else None}
+            kept = earlier.get(key, {}).get(base)
+            if kept and run is not None and kept.get("run") == run:
+                record.setdefault("vs", {})[base] = kept  # against its own run's baseline
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     return merged

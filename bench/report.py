@@ -202,9 +202,10 @@ _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "dc-upstream": "DeepCompile, DeepSpeed's JIT op"}
 
 
-def _lora_speedup(r: Mapping[str, Any]) -> Optional[str]:
+def _lora_speedup(r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> Optional[str]:
     """Step-time speedup against the same run's eager ZeRO-3 with the same checkpointing
-    (``vs`` from lora_llama.py merge), with its peak-memory ratio."""
+    (``vs`` from lora_llama.py merge), with its peak-memory ratio; where that baseline is not
+    the table's row (a later run replaced it), its step time is named."""
     vs = r.get("vs") or {}
     ckpt = (r.get("setup") or {}).get("checkpointing")
     base = "none" if ckpt == "none" else "upstream"
@@ -212,7 +213,11 @@ def _lora_speedup(r: Mapping[str, Any]) -> Optional[str]:
     if not ref:
         return None
     peak = ref.get("peak_ratio")
+    own_row = any(run_variant(k, x) == base and x.get("run") == r.get("run")
+                  for k, x in runs.items())
+    ms = ref.get("baseline_ms")
     return (f"{ref['speedup']:.2f}x vs `{base}`"
+            + (f" of its run ({ms:.1f} ms)" if not own_row and isinstance(ms, (int, float)) else "")
             + (f", peak {peak:.2f}x" if isinstance(peak, (int, float)) else ""))
 
 
@@ -238,7 +243,7 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
             rows.append(head + [_error(r)] + ["-"] * 6)
             continue
         share = r.get("peak_share")
-        speedup = _lora_speedup(r)
+        speedup = _lora_speedup(r, runs)
         compile_cell = "-"
         if setup.get("deepcompile"):
             compile_cell = " / ".join(_num(r.get(k), "{:.0f}", " s") for k in (

@@ -160,7 +160,9 @@ def add_ratios(result: Dict[str, Any], preferred: Sequence[str],
                per_deepspeed: bool = False) -> None:
     """Set ``result["baseline"]`` and each run's ``ratio`` (run / baseline of ``step_ms``,
     ``first_step_s``, ``peak_gib`` where both have it). ``per_deepspeed``: each DeepSpeed
-    version's runs against the baseline of that version (``result["baseline"]`` is then a map)."""
+    version's runs against the baseline of that version (``result["baseline"]`` is then a map).
+    A record measured in another invocation than the baseline (another ``run`` label, e.g. a
+    LoRA variant re-run into an existing result) gets no ratio."""
     runs: Dict[str, Dict[str, Any]] = result.get("runs", {})
     baselines: Dict[Optional[str], Optional[str]] = {}
     if per_deepspeed:
@@ -174,7 +176,7 @@ def add_ratios(result: Dict[str, Any], preferred: Sequence[str],
     for key, record in runs.items():
         base_key = (baselines.get(run_deepspeed(key, record)) if per_deepspeed
                     else result["baseline"])
-        if base_key is None or not run_ok(record):
+        if base_key is None or not run_ok(record) or runs[base_key].get("run") != record.get("run"):
             record["ratio"] = None
             continue
         base = runs[base_key]
@@ -244,6 +246,9 @@ class BenchContext:
     work_root: Optional[Path] = None  # logs and intermediate files; a new temp dir by default
     variants: Optional[List[str]] = None  # lora_llama: only these, merged into the existing result
     trace: Optional[Path] = None  # lora_llama: torch.profiler traces of two more steps, here
+    # One label for all runs of this invocation: a result's ratios compare runs of one label.
+    run_id: str = dataclasses.field(default_factory=lambda: datetime.datetime.now(
+        datetime.timezone.utc).isoformat(timespec="seconds"))
 
     @property
     def work_dir(self) -> Path:
@@ -577,7 +582,7 @@ def _lora_commands(ctx: BenchContext) -> List[Command]:
             port = ([f"--master_port={free_port()}"] if ranks > 1 else [])
             trace = ["--trace", str(ctx.trace / ds)] if ctx.trace is not None else []
             cmds.append(Command([*launcher, *port, script, "--variant", variant, *steps, *trace,
-                                 "--output", str(out)], label=f"lora_llama {variant}@{ds}",
+                                 "--run", ctx.run_id, "--output", str(out)], label=f"lora_llama {variant}@{ds}",
                                 env=env, output=out))
     return cmds
 
@@ -640,7 +645,7 @@ def _lora_smoke(ctx: BenchContext) -> Dict[str, Any]:
         steps = (["--dc-steps", "7"] if v.startswith("dc") else ["--steps", "2", "--warmup", "1"])
         cmds.append(Command([sys.executable, script, "--variant", v, "--size", "toy", *steps,
                              "--seq", "32", "--micro-batch", "1", "--no-track-gathered",
-                             "--output", str(out)], label=f"lora_llama {v}@{ds}",
+                             "--run", ctx.run_id, "--output", str(out)], label=f"lora_llama {v}@{ds}",
                             env={"DS_ACCELERATOR": "cpu"}, output=out))
     run_commands(cmds, ctx)
     return _lora_merge(cmds, ctx, script)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 
@@ -341,6 +342,9 @@ def test_suite_passes_trace_to_each_lora_run_per_deepspeed(tmp_path: Path) -> No
     ds = deepspeed.__version__.split("+")[0]
     for cmd in cmds:
         assert f"--trace {tmp_path / ds} " in cmd, cmd
+    # One run label for the whole invocation: the result compares these runs with each other.
+    labels = {c.split("--run ")[1].split()[0] for c in cmds}
+    assert len(labels) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\dT[\d:]+\+00:00", labels.pop())
 
 
 def test_a_full_lora_run_adds_two_gpus_where_the_host_has_them(tmp_path: Path) -> None:
@@ -357,31 +361,60 @@ def test_a_full_lora_run_adds_two_gpus_where_the_host_has_them(tmp_path: Path) -
 
 
 def test_some_lora_variants_rerun_into_the_existing_result(tmp_path: Path) -> None:
-    from bench.suite import BenchContext, Command, _lora_merge, _lora_script
+    from bench.lora_llama import merge
+    from bench.suite import BenchContext, Command, _lora_merge, _lora_script, add_ratios
 
     script, _ = _lora_script()
     setup = {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4, "device": "NVIDIA H200"}
 
-    def record(variant: str, median: float) -> Dict[str, Any]:
-        return {"variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 4.0,
-                "step_ms": {"median": median, "min": median, "max": median}, "setup": setup}
+    def record(variant: str, median: float, run: str) -> Path:
+        path = tmp_path / f"{variant}-{run}.json"
+        path.write_text(json.dumps({
+            "variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 4.0, "run": run,
+            "step_ms": {"median": median, "min": median, "max": median}, "setup": setup}))
+        return path
 
     results = tmp_path / "results"
-    results.mkdir()
-    (results / "lora_llama.json").write_text(json.dumps({
-        "bench": "lora_llama", "note": "Measured on day one.",
-        "runs": {"upstream@0.19.8": record("upstream", 1200.0), "dc@0.19.8": record("dc", 300.0)}}))
-    new = tmp_path / "dc-ckpt-0.19.8.json"
-    new.write_text(json.dumps(record("dc-ckpt", 150.0)))
-    ctx = BenchContext(output_dir=results, work_root=tmp_path / "work", variants=["dc-ckpt"])
-    cmds = [Command(["true"], label="lora_llama dc-ckpt@0.19.8", output=new)]
-    result = _lora_merge(cmds, ctx, script)
-    assert sorted(result["runs"]) == ["dc-ckpt@0.19.8", "dc@0.19.8", "upstream@0.19.8"]
-    assert result["runs"]["dc-ckpt@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(8.0)
-    assert result["note"].startswith("Measured on day one. Re-run ") and result["note"].endswith("dc-ckpt.")
+    existing = results / "lora_llama.json"
+    merge([record("upstream", 1200.0, "day-one"), record("dc", 300.0, "day-one")], existing)
+    data = json.loads(existing.read_text())
+    existing.write_text(json.dumps({**data, "note": "Measured on day one."}))
+
+    def rerun(run: str, variants: List[str], medians: List[float]) -> Dict[str, Any]:
+        ctx = BenchContext(output_dir=results, work_root=tmp_path / run, variants=variants,
+                           run_id=run)
+        cmds = [Command(["true"], label=f"lora_llama {v}@0.19.8", output=record(v, m, run))
+                for v, m in zip(variants, medians)]
+        result = _lora_merge(cmds, ctx, script)
+        add_ratios(result, ("upstream", "none", "plain"))
+        existing.write_text(json.dumps(result))
+        return result
+
+    # The baseline re-run with a new variant: they compare with each other; the day-one run
+    # keeps its ratio to the day-one baseline, which the file no longer holds.
+    result = rerun("day-two", ["upstream", "dc-ckpt"], [1000.0, 150.0])
+    runs = result["runs"]
+    assert sorted(runs) == ["dc-ckpt@0.19.8", "dc@0.19.8", "upstream@0.19.8"]
+    assert runs["dc-ckpt@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(1000.0 / 150.0)
+    assert runs["dc-ckpt@0.19.8"]["ratio"]["step_ms"] == pytest.approx(0.15)
+    assert runs["dc@0.19.8"]["vs"]["upstream"] == pytest.approx(
+        {"speedup": 4.0, "peak_ratio": 1.0, "baseline_ms": 1200.0, "run": "day-one"})
+    assert runs["dc@0.19.8"]["ratio"] is None  # not against another run's baseline
+    assert result["note"].startswith("Measured on day one. Re-run ") and result["note"].endswith(
+        "upstream, dc-ckpt.")
+    # A variant re-run alone has no baseline of its own run: no ratio rather than a cross-run one.
+    runs = rerun("day-three", ["dc-ckpt"], [120.0])["runs"]
+    assert "vs" not in runs["dc-ckpt@0.19.8"] and runs["dc-ckpt@0.19.8"]["ratio"] is None
+    assert runs["dc@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(4.0)
+    block = report.render_block(report.load_results(results))
+    rows = {ln.split("|")[1].strip(): ln for ln in block.splitlines() if ln.startswith("| dc")}
+    assert "4.00x vs `upstream` of its run (1200.0 ms)" in rows["dc"]
+    assert "x vs" not in rows["dc-ckpt"]
     # A run of another setup is not merged silently.
     other = tmp_path / "dc-ckpt-ws2.json"
-    other.write_text(json.dumps({**record("dc-ckpt", 160.0), "setup": {**setup, "world_size": 2}}))
+    other.write_text(json.dumps({**json.loads(record("dc-ckpt", 160.0, "x").read_text()),
+                                 "setup": {**setup, "world_size": 2}}))
+    ctx = BenchContext(output_dir=results, work_root=tmp_path / "work", variants=["dc-ckpt"])
     with pytest.raises(RuntimeError, match="lora_llama merge failed"):
         _lora_merge([Command(["true"], label="lora_llama dc-ckpt@0.19.8", output=other)], ctx, script)
 

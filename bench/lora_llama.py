@@ -16,6 +16,9 @@ whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
   replaces DeepSpeed's own fix);
 * ``reentrant``: eager ZeRO-3, reentrant checkpointing, DeepSpeed alone;
 * ``dc``: DeepCompile ZeRO-3 with ``ds_z3native.install()``, no checkpointing;
+* ``dc-warm``: ``dc`` again, its inductor cache filled by ``dc`` (``python -m bench`` gives each
+  invocation one fresh cache directory and runs ``dc-warm`` after ``dc``): what compiling costs a
+  second run of the same job;
 * ``dc-ckpt``: the same with non-reentrant checkpointing;
 * ``dc-ckpt-lowmem``: ``dc-ckpt`` with ``ds_z3native.set_persistence_budget(0)``: DeepCompile's
   selective gather keeps no param gathered between uses (DeepCompile registers every param
@@ -69,16 +72,15 @@ from packaging.version import Version
 
 log = logging.getLogger("bench.lora_llama")
 
-VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-ckpt", "dc-ckpt-lowmem",
-            "dc-ckpt-lean",
-            "dc-upstream")
+VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-warm", "dc-ckpt",
+            "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream")
 CHECKPOINTING = {"plain": "none", "none": "none", "upstream": "non-reentrant",
-                 "ours": "non-reentrant", "reentrant": "reentrant", "dc": "none",
+                 "ours": "non-reentrant", "reentrant": "reentrant", "dc": "none", "dc-warm": "none",
                  "dc-ckpt": "non-reentrant", "dc-ckpt-lowmem": "non-reentrant",
                  "dc-ckpt-lean": "non-reentrant",
                  "dc-upstream": "none"}
-DEEPCOMPILE = ("dc", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream")
-OURS_DC = ("dc", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean")
+DEEPCOMPILE = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream")
+OURS_DC = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
 SIZES: Dict[str, Dict[str, int]] = {
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,

@@ -55,7 +55,8 @@ log = logging.getLogger("bench.suite")
 
 __all__ = ["SCHEMA", "RESULTS_DIR", "SMOKE_DIR", "GIB", "Command", "BenchContext", "Benchmark",
            "register", "registry", "versions", "summarize", "peak_memory_gib", "pick_baseline",
-           "add_ratios", "finish_result", "write_result", "run_command", "main"]
+           "add_ratios", "finish_result", "write_result", "run_command", "check_lora_variants",
+           "main"]
 
 SCHEMA = 1
 BENCH_DIR = Path(__file__).resolve().parent
@@ -176,7 +177,8 @@ def add_ratios(result: Dict[str, Any], preferred: Sequence[str],
     for key, record in runs.items():
         base_key = (baselines.get(run_deepspeed(key, record)) if per_deepspeed
                     else result["baseline"])
-        if base_key is None or not run_ok(record) or runs[base_key].get("run") != record.get("run"):
+        other_run = base_key is not None and runs[base_key].get("run") != record.get("run")
+        if base_key is None or not run_ok(record) or other_run:
             record["ratio"] = None
             continue
         base = runs[base_key]
@@ -564,6 +566,14 @@ def _lora_script() -> "tuple[str, Sequence[str]]":
     raise FileNotFoundError("bench/lora_llama.py (or bench/eager_lora.py) is missing")
 
 
+def check_lora_variants(variants: Sequence[str]) -> None:
+    """Raise ValueError for a LoRA variant set that cannot run as asked (``dc-warm`` needs the
+    ``dc`` run of the same invocation to fill its inductor cache)."""
+    if "dc-warm" in variants and "dc" not in variants:
+        raise ValueError("lora_llama variant dc-warm re-runs dc's graphs from the inductor cache "
+                         "dc fills in the same invocation: pick dc as well")
+
+
 def _lora_commands(ctx: BenchContext) -> List[Command]:
     script, variants = _lora_script()
     cmds = []
@@ -575,15 +585,20 @@ def _lora_commands(ctx: BenchContext) -> List[Command]:
         variants = tuple(v for v in variants if v != "plain")
     if ctx.variants:
         variants = tuple(v for v in variants if v in ctx.variants)
+    check_lora_variants(variants)
     for ds, env in _deepspeed_envs(ctx):
         # Another DeepSpeed is there for ds_z3native's fix on it: only "ours" runs on it.
         for variant in (variants if not env else tuple(v for v in ("ours",) if v in variants)):
             out = ctx.work_dir / "lora" / f"{variant}-{ds}.json"
             port = ([f"--master_port={free_port()}"] if ranks > 1 else [])
             trace = ["--trace", str(ctx.trace / ds)] if ctx.trace is not None else []
+            # One fresh inductor cache per invocation and DeepSpeed: every variant compiles
+            # cold but dc-warm, which finds what dc put there.
+            cache = {"TORCHINDUCTOR_CACHE_DIR": str(ctx.work_dir / "inductor" / ds)}
             cmds.append(Command([*launcher, *port, script, "--variant", variant, *steps, *trace,
-                                 "--run", ctx.run_id, "--output", str(out)], label=f"lora_llama {variant}@{ds}",
-                                env=env, output=out))
+                                 "--run", ctx.run_id, "--output", str(out)],
+                                label=f"lora_llama {variant}@{ds}", env={**env, **cache},
+                                output=out))
     return cmds
 
 
@@ -645,7 +660,8 @@ def _lora_smoke(ctx: BenchContext) -> Dict[str, Any]:
         steps = (["--dc-steps", "7"] if v.startswith("dc") else ["--steps", "2", "--warmup", "1"])
         cmds.append(Command([sys.executable, script, "--variant", v, "--size", "toy", *steps,
                              "--seq", "32", "--micro-batch", "1", "--no-track-gathered",
-                             "--run", ctx.run_id, "--output", str(out)], label=f"lora_llama {v}@{ds}",
+                             "--run", ctx.run_id, "--output", str(out)],
+                            label=f"lora_llama {v}@{ds}",
                             env={"DS_ACCELERATOR": "cpu"}, output=out))
     run_commands(cmds, ctx)
     return _lora_merge(cmds, ctx, script)
@@ -762,6 +778,11 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
         if names != ["lora_llama"] or not variants or unknown_variants or args.smoke:
             print(f"--variants applies to a full lora_llama run and takes names from "
                   f"{', '.join(known)}; got {args.variants!r} for {args.name!r}", file=sys.stderr)
+            return 2
+        try:
+            check_lora_variants(variants)
+        except ValueError as e:
+            print(f"--variants: {e}", file=sys.stderr)
             return 2
     ctx = BenchContext(output_dir=args.output_dir or (SMOKE_DIR if args.smoke else RESULTS_DIR),
                        smoke=args.smoke, steps=args.steps, repeats=args.repeats, ranks=args.ranks,

@@ -419,6 +419,25 @@ def test_some_lora_variants_rerun_into_the_existing_result(tmp_path: Path) -> No
         _lora_merge([Command(["true"], label="lora_llama dc-ckpt@0.19.8", output=other)], ctx, script)
 
 
+def test_dc_warm_compiles_from_the_cache_dc_filled_in_the_same_invocation() -> None:
+    def plan() -> Dict[str, str]:
+        r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--variants",
+                            "none,dc-warm,dc"], cwd=ROOT, env=_env(), capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        lines = [ln for ln in r.stdout.splitlines() if "--variant " in ln]
+        return {ln.split("--variant ")[1].split()[0]: ln.split("TORCHINDUCTOR_CACHE_DIR=")[1].split()[0]
+                for ln in lines}
+
+    first, second = plan(), plan()
+    assert list(first) == ["none", "dc", "dc-warm"]  # dc-warm after the dc that fills its cache
+    assert first["dc"] == first["dc-warm"] == first["none"]
+    assert first["dc"] != second["dc"]  # every invocation starts cold
+    r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--variants",
+                        "dc-warm"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "pick dc as well" in r.stderr, r.stderr
+
+
 def test_suite_variants_pick_lora_runs_and_refuse_unknown_names() -> None:
     r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--variants",
                         "upstream,dc-ckpt-lean"], cwd=ROOT, env=_env(), capture_output=True,

@@ -30,7 +30,8 @@ whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
 DeepCompile variants run ``--dc-steps`` steps (default 20) and report the time from
 ``engine.compile()`` to the end of the first step, the step where DeepCompile re-plans (its 6th:
 profiling and a full recompile), the wall time to the last step, and step statistics over the
-steps after the re-plan. Eager variants time ``--steps`` steps after ``--warmup``.
+steps after the re-plan; ``compile_seconds`` says where the first step's and the re-plan's
+compile time went (torch's own counters: Dynamo's tracing, AOTAutograd, inductor...). Eager variants time ``--steps`` steps after ``--warmup``.
 
 Throughput: tokens/s = micro-batch x seq x world size / step time. Model FLOPs per step (what the
 model needs, not what the run executed: checkpointing's recompute is not counted) =
@@ -120,6 +121,33 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                         "the same label only")
     p.add_argument("--output", type=Path, required=True, help="JSON file to write")
     return p.parse_args(argv)
+
+
+def compile_seconds() -> Dict[str, float]:
+    """torch's compile-time counters (``torch._dynamo.utils.compile_times``, seconds summed per
+    timed function since the process started): Dynamo's tracing, the backend (for DeepCompile:
+    AOTAutograd, its passes and profiling runs, inductor), inductor's code generation..."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        names, values = compile_times(repr="csv", aggregate=True)  # type: ignore[misc]
+        return {str(n): float(v) for n, v in zip(names, values)}
+    except Exception as e:  # noqa: BLE001 - a figure missing, not a failed run
+        log.warning("torch's compile-time counters are not readable here (%s)", e)
+        return {}
+
+
+def _compile_window(before: Dict[str, float], after: Dict[str, float], top: int = 12,
+                    floor_s: float = 0.05) -> Dict[str, float]:
+    """The ``top`` largest of ``after - before`` (at least ``floor_s``), largest first; the
+    counters nest (``_compile.compile_inner`` holds the rest), so they do not add up.
+    ``torch._dynamo.reset()`` (DeepCompile calls it when it re-plans) clears torch's counters:
+    where one went down, ``after`` alone is what compiled since then."""
+    if any(v < before.get(k, 0.0) for k, v in after.items()) or not before.keys() <= after.keys():
+        before = {}
+    delta = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
+    kept = sorted(((k, v) for k, v in delta.items() if v >= floor_s), key=lambda kv: -kv[1])
+    return dict(kept[:top])
 
 
 def _launcher_env() -> None:
@@ -353,9 +381,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     total = args.dc_steps if deepcompile else args.warmup + args.steps
     first_timed = 6 if deepcompile else args.warmup  # DeepCompile re-plans at its 6th step
     t_start = time.perf_counter()
+    compiled_before = compile_seconds() if deepcompile else {}
     if deepcompile:
         engine.compile()
     times, losses, all_steps = [], [], []
+    compile_marks: Dict[str, Dict[str, float]] = {}
     for i in range(total):
         if i == first_timed and on_gpu:
             torch.cuda.synchronize()
@@ -366,6 +396,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         all_steps.append(elapsed)
         if i == 0:
             record["compile_to_first_step_s"] = time.perf_counter() - t_start
+        if deepcompile and i in (0, 4, 5):  # the first step, the re-plan's (the 6th) either side
+            compile_marks[str(i)] = compile_seconds()
         if i >= first_timed:
             times.append(elapsed * 1e3)
         log.info("%s step %d/%d: %.1f ms, loss %.4f%s", variant, i + 1, total, elapsed * 1e3,
@@ -374,6 +406,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     record["step_s_all"] = all_steps
     if deepcompile:
         record["replan_step_s"] = all_steps[5] if len(all_steps) > 5 else None
+        # Where the compile time went (torch's counters): to the end of step 1, and in the re-plan.
+        record["compile_seconds"] = {
+            "first_step": _compile_window(compiled_before, compile_marks["0"]),
+            "replan": _compile_window(compile_marks["4"], compile_marks["5"])}
         import torch._dynamo.utils
 
         record["graph_breaks"] = int(sum(torch._dynamo.utils.counters["graph_break"].values()))

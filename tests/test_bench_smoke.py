@@ -262,6 +262,12 @@ def test_gpu_benchmarks_smoke_on_cpu(tmp_path: Path, name: str) -> None:
             # pair), not DeepSpeed's reduce_bucket_size (5e8 elements: 2 GB per fp32 bucket).
             trainable = dc["setup"]["model"]["trainable"]
             assert 0 < dc["reduce_bucket_bytes"] <= 2 * 4 * trainable
+            # Where compiling went, per window: the re-plan recompiles (Dynamo, AOTAutograd)
+            # although torch._dynamo.reset() cleared torch's counters at its start.
+            for window in ("first_step", "replan"):
+                phases = dc["compile_seconds"][window]
+                assert phases.get("_compile.compile_inner", 0) > 0, (window, phases)
+                assert phases.get("bytecode_tracing", 0) > 0, (window, phases)
     else:
         if cpu_deepcompile:
             assert any(k.startswith("ours@") and v["first_step_s"]["median"] > 0

@@ -31,7 +31,8 @@ DeepCompile variants run ``--dc-steps`` steps (default 20) and report the time f
 ``engine.compile()`` to the end of the first step, the step where DeepCompile re-plans (its 6th:
 profiling and a full recompile), the wall time to the last step, and step statistics over the
 steps after the re-plan; ``compile_seconds`` says where the first step's and the re-plan's
-compile time went (torch's own counters: Dynamo's tracing, AOTAutograd, inductor...). Eager variants time ``--steps`` steps after ``--warmup``.
+compile time went (torch's own counters: Dynamo's tracing, AOTAutograd, inductor...). Eager
+variants time ``--steps`` steps after ``--warmup``.
 
 Throughput: tokens/s = micro-batch x seq x world size / step time. Model FLOPs per step (what the
 model needs, not what the run executed: checkpointing's recompute is not counted) =
@@ -137,17 +138,16 @@ def compile_seconds() -> Dict[str, float]:
         return {}
 
 
-def _compile_window(before: Dict[str, float], after: Dict[str, float], top: int = 12,
+def _compile_window(before: Dict[str, float], after: Dict[str, float],
                     floor_s: float = 0.05) -> Dict[str, float]:
-    """The ``top`` largest of ``after - before`` (at least ``floor_s``), largest first; the
+    """``after - before`` per counter (those of at least ``floor_s``), largest first; the
     counters nest (``_compile.compile_inner`` holds the rest), so they do not add up.
     ``torch._dynamo.reset()`` (DeepCompile calls it when it re-plans) clears torch's counters:
     where one went down, ``after`` alone is what compiled since then."""
     if any(v < before.get(k, 0.0) for k, v in after.items()) or not before.keys() <= after.keys():
         before = {}
     delta = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
-    kept = sorted(((k, v) for k, v in delta.items() if v >= floor_s), key=lambda kv: -kv[1])
-    return dict(kept[:top])
+    return dict(sorted(((k, v) for k, v in delta.items() if v >= floor_s), key=lambda kv: -kv[1]))
 
 
 def _launcher_env() -> None:

@@ -662,7 +662,9 @@ def _lora_smoke(ctx: BenchContext) -> Dict[str, Any]:
                              "--seq", "32", "--micro-batch", "1", "--no-track-gathered",
                              "--run", ctx.run_id, "--output", str(out)],
                             label=f"lora_llama {v}@{ds}",
-                            env={"DS_ACCELERATOR": "cpu"}, output=out))
+                            env={"DS_ACCELERATOR": "cpu",
+                                 "TORCHINDUCTOR_CACHE_DIR": str(ctx.work_dir / "inductor" / ds)},
+                            output=out))
     run_commands(cmds, ctx)
     return _lora_merge(cmds, ctx, script)
 

@@ -574,6 +574,13 @@ def check_lora_variants(variants: Sequence[str]) -> None:
                          "dc fills in the same invocation: pick dc as well")
 
 
+def _lora_inductor_cache(ctx: BenchContext, deepspeed: str) -> Dict[str, str]:
+    """The environment giving this invocation's LoRA runs on ``deepspeed`` their own inductor
+    cache: fresh per invocation, so every variant compiles cold but dc-warm, which finds what dc
+    put there."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(ctx.work_dir / "inductor" / deepspeed)}
+
+
 def _lora_commands(ctx: BenchContext) -> List[Command]:
     script, variants = _lora_script()
     cmds = []
@@ -592,13 +599,10 @@ def _lora_commands(ctx: BenchContext) -> List[Command]:
             out = ctx.work_dir / "lora" / f"{variant}-{ds}.json"
             port = ([f"--master_port={free_port()}"] if ranks > 1 else [])
             trace = ["--trace", str(ctx.trace / ds)] if ctx.trace is not None else []
-            # One fresh inductor cache per invocation and DeepSpeed: every variant compiles
-            # cold but dc-warm, which finds what dc put there.
-            cache = {"TORCHINDUCTOR_CACHE_DIR": str(ctx.work_dir / "inductor" / ds)}
             cmds.append(Command([*launcher, *port, script, "--variant", variant, *steps, *trace,
                                  "--run", ctx.run_id, "--output", str(out)],
-                                label=f"lora_llama {variant}@{ds}", env={**env, **cache},
-                                output=out))
+                                label=f"lora_llama {variant}@{ds}",
+                                env={**env, **_lora_inductor_cache(ctx, ds)}, output=out))
     return cmds
 
 
@@ -662,8 +666,7 @@ def _lora_smoke(ctx: BenchContext) -> Dict[str, Any]:
                              "--seq", "32", "--micro-batch", "1", "--no-track-gathered",
                              "--run", ctx.run_id, "--output", str(out)],
                             label=f"lora_llama {v}@{ds}",
-                            env={"DS_ACCELERATOR": "cpu",
-                                 "TORCHINDUCTOR_CACHE_DIR": str(ctx.work_dir / "inductor" / ds)},
+                            env={"DS_ACCELERATOR": "cpu", **_lora_inductor_cache(ctx, str(ds))},
                             output=out))
     run_commands(cmds, ctx)
     return _lora_merge(cmds, ctx, script)

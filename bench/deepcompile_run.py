@@ -328,7 +328,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         gather = eager_gather_of(engine)
         result["eager_gather"] = None if gather is None else {
             "params": gather.eager_params, "gathered_total": gather.gathered_total,
-            "held_after_training": gather.held()}
+            "held_after_training": gather.held(), "deferred_partitions": gather.deferred_partitions}
     gathered = stage == 3
     if llama:
         result["params"] = _trainable_params(engine, gathered)

@@ -22,7 +22,11 @@ its first step with ``RuntimeError: 'weight' must be 2-D`` from the input embedd
   DeepCompile's ``reduce_grad`` (DeepSpeed 0.19.8's own fallback lets it through and the optimizer
   step then fails on a full-size gradient), so we refuse instead.
   Dynamo reading a param while it traces or builds guards is left alone. The engine's forward and backward are
-  wrapped to mark the window and release.
+  wrapped to mark the window and release. The gather runs with Dynamo disabled (eager code is
+  still under Dynamo's frame hook, and a compiled frame of the gather would hand the param to
+  DeepCompile's backend, whose profiler partitions it), and a held param's ``partition`` is
+  deferred until the release: DeepCompile's profiler partitions the params of every graph it
+  profiles, whoever gathered them.
 """
 
 from __future__ import annotations
@@ -69,6 +73,19 @@ def _dynamo_is_inspecting() -> bool:
     return False
 
 
+def _never_compiled(fn: Callable) -> Callable:
+    """``fn`` and what it calls always run eagerly. The eager code that reads a param is still
+    under Dynamo's frame hook: each function it calls starts a frame Dynamo may compile, with
+    the backend in use, here DeepCompile's. Seen on one H200 (torch 2.11): Dynamo compiled
+    :meth:`EagerFallbackGather.gather` around DeepSpeed's ``all_gather`` with the param as a
+    graph input, and DeepCompile's graph profiler, which partitions every param of a graph it
+    profiles, undid the gather: the embedding then read a shape-[0] weight (``'weight' must be
+    2-D``)."""
+    import torch
+
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def _eager_params_class() -> type:
     """A ZeRO-3 parameter dict (DeepSpeed's ZeROOrderedDict, so DeepSpeed's own getter logic
     still runs and DeepSpeed keeps it in place) that, read eagerly inside the engine's forward
@@ -106,6 +123,11 @@ def _eager_params_class() -> type:
             # param for real (while tracing or building guards) is told apart by its frames.
             if param is None or torch.compiler.is_dynamo_compiling():
                 return param
+            return self._eager_getitem(key, param)
+
+        @_never_compiled
+        def _eager_getitem(self, key: str, param: Any) -> Any:
+            # Eager from here on, DeepSpeed's getter included (see _never_compiled).
             owner = self._dsz_owner
             if (owner.active and getattr(param, "ds_status", None) == not_available
                     and not _dynamo_is_inspecting()):
@@ -125,11 +147,12 @@ class EagerFallbackGather:
 
     def __init__(self, engine: Any) -> None:
         cls = _eager_params_class()
-        self._held: Dict[int, Any] = {}
+        self._held: Dict[int, Tuple[Any, Optional[Callable]]] = {}  # ds_id -> (param, its partition)
         self._modules: List[Tuple[Any, Any]] = []  # (module, the dict it had)
         self.active = False  # inside the engine's forward or backward
         self.pending_backwards = 0  # grad-enabled forwards whose engine.backward has not run
         self.gathered_total = 0  # params gathered eagerly since the engine compiled
+        self.deferred_partitions = 0  # partitions of held params others asked for (see _hold)
         self.eager_params: List[str] = []  # names, first time each was gathered
         for mod_name, module in engine.module.named_modules():
             own = module.__dict__.get("_parameters")
@@ -138,6 +161,7 @@ class EagerFallbackGather:
             self._modules.append((module, own))
             module._parameters = cls(module, self, mod_name, own)
 
+    @_never_compiled
     def gather(self, name: str, param: Any) -> None:
         """Gather ``param`` (partitioned) for eager code, or refuse a trainable one."""
         import torch
@@ -150,23 +174,60 @@ class EagerFallbackGather:
                 "trainable param's gradient would be lost. Find the graph break with "
                 "TORCH_LOGS=graph_breaks and remove it, or train without DeepCompile.")
         param.all_gather()
-        self._held[param.ds_id] = param
+        self._hold(name, param)
         self.gathered_total += 1
         if name not in self.eager_params:
             self.eager_params.append(name)
             log.info("%s (ds_id %d) was read outside DeepCompile's graphs (eager fallback); "
                      "gathered until the end of backward", name, param.ds_id)
 
+    def _hold(self, name: str, param: Any) -> None:
+        """Keep ``param`` gathered until :meth:`release`: its ``partition`` (DeepSpeed's, an
+        attribute of each ZeRO-3 param) is deferred meanwhile. Others partition params they did
+        not gather: DeepCompile's graph profiler partitions every param of a graph it profiles,
+        whoever gathered it, and a compile can come between an eager read and its use, or
+        between a frozen Linear's forward and the backward that needs its saved weight."""
+        if param.ds_id in self._held:
+            return
+        partition = param.__dict__.get("partition")
+        if partition is None:  # not a ZeRO-3 param as DeepSpeed makes them: nothing to defer
+            self._held[param.ds_id] = (param, None)
+            return
+        owner = weakref.ref(self)
+
+        def partition_unless_held(*args: Any, **kwargs: Any) -> Any:
+            me = owner()
+            if me is None or me._held.get(param.ds_id, (None,))[0] is not param:
+                return partition(*args, **kwargs)
+            me.deferred_partitions += 1
+            log.debug("deferred a partition of %s (ds_id %d): held for eager code until the "
+                      "end of backward", name, param.ds_id)
+            # partition(param_list=None, ...): a list naming other params too partitions those.
+            in_kwargs = "param_list" in kwargs
+            params = kwargs["param_list"] if in_kwargs else (args[0] if args else None)
+            others = [q for q in params or () if q is not param]
+            if not others:
+                return None
+            if in_kwargs:
+                return partition(*args, **{**kwargs, "param_list": others})
+            return partition(others, *args[1:], **kwargs)
+
+        param.partition = partition_unless_held
+        self._held[param.ds_id] = (param, partition)
+
     def held(self) -> List[int]:
         """ds_ids gathered eagerly and not released yet."""
         return sorted(self._held)
 
+    @_never_compiled
     def release(self) -> None:
         """Partition again every param this object gathered (persistent ones stay whole)."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         held, self._held = list(self._held.values()), {}
-        for p in held:
+        for p, partition in held:
+            if partition is not None:
+                p.partition = partition
             if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False):
                 p.partition()
 

@@ -250,8 +250,12 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
             compile_cell = " / ".join(_num(r.get(k), "{:.0f}", " s") for k in (
                 "compile_to_first_step_s", "replan_step_s", "wall_to_last_step_s"))
         ratio = _ratio(r)  # step time / the baseline's: its inverse is the speedup
+        # The file's baseline only where it checkpoints as this row does (a run without
+        # checkpointing is not measured against one with it).
+        baseline = runs.get(str(result.get("baseline")), {})
+        same_ckpt = (baseline.get("setup") or {}).get("checkpointing") == setup.get("checkpointing")
         fallback = (f"{1 / ratio:.2f}x vs `{result.get('baseline')}`"
-                    if isinstance(ratio, (int, float)) and ratio > 0 else "-")
+                    if same_ckpt and isinstance(ratio, (int, float)) and ratio > 0 else "-")
         rows.append(head + [_spread(r.get("step_ms"), "{:.1f}"),
                             speedup if speedup is not None else fallback,
                             _num(r.get("tokens_per_s"), "{:,.0f}"),

@@ -515,3 +515,23 @@ def test_lora_trace_profiles_two_more_steps(tmp_path: Path) -> None:
     assert any(n.startswith("aten::mm") or n.startswith("aten::addmm") for n in names), sorted(names)[:40]
     top = (trace_dir / "ours-rank0-top.txt").read_text()
     assert "Self CPU" in top and "aten::" in top
+
+
+def test_lora_table_never_compares_across_checkpointing() -> None:
+    # The file's baseline (eager with checkpointing) is no fallback for a row without it: a
+    # DeepCompile run without checkpointing whose own-run `none` is gone shows no speedup.
+    setup = {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4, "device": "H200"}
+
+    def row(variant: str, ckpt: str, median: float, ratio: float) -> Dict[str, Any]:
+        return {"variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 4.0,
+                "step_ms": {"median": median, "min": median, "max": median},
+                "setup": {**setup, "checkpointing": ckpt}, "ratio": {"step_ms": ratio}}
+
+    result = {"bench": "lora_llama", "baseline": "upstream@0.19.8", "runs": {
+        "upstream@0.19.8": row("upstream", "non-reentrant", 1000.0, 1.0),
+        "dc-ckpt@0.19.8": row("dc-ckpt", "non-reentrant", 125.0, 0.125),
+        "dc-upstream@0.19.8": row("dc-upstream", "none", 100.0, 0.1)}}
+    rows = {ln.split("|")[1].strip(): ln.split("|")[6].strip()
+            for ln in report._lora(result) if ln.startswith("| ") and "@" not in ln.split("|")[1]}
+    assert rows["dc-ckpt"] == "8.00x vs `upstream@0.19.8`"
+    assert rows["dc-upstream"] == "-"

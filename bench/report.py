@@ -234,6 +234,9 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
         return (_LORA_ORDER.index(v) if v in _LORA_ORDER else len(_LORA_ORDER), v,
                 run_deepspeed(k, runs[k]) or "")
 
+    # The file's baseline is a fallback only for rows that checkpoint as it does (a run without
+    # checkpointing is not measured against one with it).
+    baseline_ckpt = (runs.get(str(result.get("baseline")), {}).get("setup") or {}).get("checkpointing")
     for key in sorted(runs, key=order):
         r = runs[key]
         variant = run_variant(key, r)
@@ -250,10 +253,7 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
             compile_cell = " / ".join(_num(r.get(k), "{:.0f}", " s") for k in (
                 "compile_to_first_step_s", "replan_step_s", "wall_to_last_step_s"))
         ratio = _ratio(r)  # step time / the baseline's: its inverse is the speedup
-        # The file's baseline only where it checkpoints as this row does (a run without
-        # checkpointing is not measured against one with it).
-        baseline = runs.get(str(result.get("baseline")), {})
-        same_ckpt = (baseline.get("setup") or {}).get("checkpointing") == setup.get("checkpointing")
+        same_ckpt = baseline_ckpt == setup.get("checkpointing")
         fallback = (f"{1 / ratio:.2f}x vs `{result.get('baseline')}`"
                     if same_ckpt and isinstance(ratio, (int, float)) and ratio > 0 else "-")
         rows.append(head + [_spread(r.get("step_ms"), "{:.1f}"),

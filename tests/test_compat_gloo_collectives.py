@@ -88,7 +88,10 @@ def _collectives_under_python_dispatch(rank: int, world_size: int) -> Dict[str, 
         late = torch.tensor([rank + 20], dtype=torch.int64)
     ds_dist.all_reduce(late, op=ds_dist.ReduceOp.MIN)
     late_value = int(late.constant.item())
-    # Traced into a graph (make_fx, as AOTAutograd traces): the collective stays in the graph.
+    # Traced into a graph (make_fx's proxy mode, as AOTAutograd traces): the collective stays in
+    # the graph. Traced on real tensors, so that it also runs, waited, on both ranks: traced in a
+    # fake mode, the fake tensor's constant has the fake mode run the collective for real too,
+    # and nobody waits for that work.
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def traced(x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +99,7 @@ def _collectives_under_python_dispatch(rank: int, world_size: int) -> Dict[str, 
         ds_dist.all_reduce(made, op=ds_dist.ReduceOp.MIN)
         return x + made
 
-    graph_code = make_fx(traced, tracing_mode="fake")(torch.zeros(1, dtype=torch.int64)).code
+    graph_code = make_fx(traced, tracing_mode="real")(torch.zeros(1, dtype=torch.int64)).code
     return {"ops": seen.ops, "max": int(biggest.item()), "gathered": gathered.tolist(),
             "broadcast": float(shared.item()), "sum": int(total.item()),
             "session_ops": in_session.ops, "session_is_compiling": compiling,

@@ -324,6 +324,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         from ds_z3native.compat.deepcompile_graph_ids import cache_bypasses
 
         result["compile_cache_bypasses"] = [list(b) for b in cache_bypasses()]
+        from ds_z3native.compat.deepcompile_profile_store import store_stats
+
+        result["profile_store"] = store_stats()
 
         gather = eager_gather_of(engine)
         result["eager_gather"] = None if gather is None else {

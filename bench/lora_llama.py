@@ -16,8 +16,9 @@ whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
   replaces DeepSpeed's own fix);
 * ``reentrant``: eager ZeRO-3, reentrant checkpointing, DeepSpeed alone;
 * ``dc``: DeepCompile ZeRO-3 with ``ds_z3native.install()``, no checkpointing;
-* ``dc-warm``: ``dc`` again, its inductor cache filled by ``dc`` (``python -m bench`` gives each
-  invocation one fresh cache directory and runs ``dc-warm`` after ``dc``): what compiling costs a
+* ``dc-warm``: ``dc`` again, its inductor cache filled by ``dc`` and DeepCompile's profiles
+  replayed from the profile store ``dc`` wrote (``python -m bench`` gives each invocation one
+  fresh cache and store directory and runs ``dc-warm`` after ``dc``): what compiling costs a
   second run of the same job;
 * ``dc-ckpt``: the same with non-reentrant checkpointing;
 * ``dc-ckpt-lowmem``: ``dc-ckpt`` with ``ds_z3native.set_persistence_budget(0)``: DeepCompile's
@@ -426,6 +427,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
             # Graphs inductor compiled without its FX-graph cache, with inductor's reason.
             record["compile_cache_bypasses"] = [list(b) for b in cache_bypasses()]
+            from ds_z3native.compat.deepcompile_profile_store import store_stats
+
+            # Profiles kept for a later run (dc) and replayed from it (dc-warm).
+            record["profile_store"] = store_stats()
             record["persistence"] = dict(ds_z3native.native().persistence_info())
             # Reduce-bucket memory at its most (bytes): sized to the trainable gradients.
             record["reduce_bucket_bytes"] = int(

@@ -574,11 +574,15 @@ def check_lora_variants(variants: Sequence[str]) -> None:
                          "dc fills in the same invocation: pick dc as well")
 
 
-def _lora_inductor_cache(ctx: BenchContext, deepspeed: str) -> Dict[str, str]:
+def _lora_inductor_cache(ctx: BenchContext, deepspeed: str, variant: str = "") -> Dict[str, str]:
     """The environment giving this invocation's LoRA runs on ``deepspeed`` their own inductor
     cache: fresh per invocation, so every variant compiles cold but dc-warm, which finds what dc
-    put there."""
-    return {"TORCHINDUCTOR_CACHE_DIR": str(ctx.work_dir / "inductor" / deepspeed)}
+    put there. dc and dc-warm also share a DeepCompile profile store (dc records, dc-warm
+    replays: the same schedule, so the cached graphs match)."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(ctx.work_dir / "inductor" / deepspeed)}
+    if variant in ("dc", "dc-warm"):
+        env["DS_Z3NATIVE_PROFILE_STORE"] = str(ctx.work_dir / "profiles" / deepspeed)
+    return env
 
 
 def _lora_commands(ctx: BenchContext) -> List[Command]:
@@ -602,7 +606,7 @@ def _lora_commands(ctx: BenchContext) -> List[Command]:
             cmds.append(Command([*launcher, *port, script, "--variant", variant, *steps, *trace,
                                  "--run", ctx.run_id, "--output", str(out)],
                                 label=f"lora_llama {variant}@{ds}",
-                                env={**env, **_lora_inductor_cache(ctx, ds)}, output=out))
+                                env={**env, **_lora_inductor_cache(ctx, ds, variant)}, output=out))
     return cmds
 
 
@@ -666,7 +670,7 @@ def _lora_smoke(ctx: BenchContext) -> Dict[str, Any]:
                              "--seq", "32", "--micro-batch", "1", "--no-track-gathered",
                              "--run", ctx.run_id, "--output", str(out)],
                             label=f"lora_llama {v}@{ds}",
-                            env={"DS_ACCELERATOR": "cpu", **_lora_inductor_cache(ctx, str(ds))},
+                            env={"DS_ACCELERATOR": "cpu", **_lora_inductor_cache(ctx, str(ds), v)},
                             output=out))
     run_commands(cmds, ctx)
     return _lora_merge(cmds, ctx, script)

@@ -432,12 +432,17 @@ def test_dc_warm_compiles_from_the_cache_dc_filled_in_the_same_invocation() -> N
                            text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         lines = [ln for ln in r.stdout.splitlines() if "--variant " in ln]
-        return {ln.split("--variant ")[1].split()[0]: ln.split("TORCHINDUCTOR_CACHE_DIR=")[1].split()[0]
-                for ln in lines}
+        return {ln.split("--variant ")[1].split()[0]: (
+            ln.split("TORCHINDUCTOR_CACHE_DIR=")[1].split()[0],
+            ln.split("DS_Z3NATIVE_PROFILE_STORE=")[1].split()[0] if "PROFILE_STORE=" in ln else None)
+            for ln in lines}
 
     first, second = plan(), plan()
     assert list(first) == ["none", "dc", "dc-warm"]  # dc-warm after the dc that fills its cache
-    assert first["dc"] == first["dc-warm"] == first["none"]
+    assert first["dc"][0] == first["dc-warm"][0] == first["none"][0]
+    # dc records DeepCompile's profiles and dc-warm replays them (the same schedule, so the
+    # cached graphs match); no other variant reads or writes them.
+    assert first["dc"][1] == first["dc-warm"][1] is not None and first["none"][1] is None
     assert first["dc"] != second["dc"]  # every invocation starts cold
     r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--variants",
                         "dc-warm"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)

@@ -142,17 +142,24 @@ def test_a_second_run_is_compiled_from_the_fx_graph_cache(tmp_path) -> None:  # 
     # step-6 re-plan, whose graphs the CPU leaves unchanged (DeepCompile's profile-driven passes
     # skip without CUDA timings), is served from the cache within the first run, and a second run
     # with the same cache directory compiles nothing; both train the same.
+    # A profile store set (what a GPU run needs for the same schedule: tests/test_compat_profile_store.py,
+    # tests/gpu/test_deepcompile_llama.py) keeps only complete profiles; the CPU's have no CUDA
+    # timings (DeepSpeed marks them incomplete), so nothing is recorded and nothing replayed.
     env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "DS_Z3NATIVE_PROFILE_STORE": str(tmp_path / "profiles")}
     cold = _ok(run_alone("cold", ["--model", "seed"], STEPS, env=env))
     warm = _ok(run_alone("warm", ["--model", "seed"], STEPS, env=env))
     print(f"\n[fx-graph cache] cold {cold['compile_caches']}, warm {warm['compile_caches']}; "
           f"compile to the end of step 1: cold {cold['compile_to_first_step_end_s']:.1f} s, "
           f"warm {warm['compile_to_first_step_end_s']:.1f} s; re-plan step: cold "
-          f"{cold['step_s'][5]:.1f} s, warm {warm['step_s'][5]:.1f} s")
+          f"{cold['step_s'][5]:.1f} s, warm {warm['step_s'][5]:.1f} s; profile store: cold "
+          f"{cold['profile_store']}, warm {warm['profile_store']}")
     assert cold["compile_caches"] == {"fxgraph_cache_miss": 2, "fxgraph_cache_hit": 2}  # fw, bw
     assert warm["compile_caches"] == {"fxgraph_cache_hit": 4}
     assert cold["compile_cache_bypasses"] == [] and warm["compile_cache_bypasses"] == []
+    assert cold["profile_store"] == warm["profile_store"] == {"recorded": 0, "replayed": 0}
+    assert not (tmp_path / "profiles").exists()
     assert warm["losses"] == cold["losses"]
     assert warm["params"] == cold["params"]
 

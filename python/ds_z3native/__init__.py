@@ -18,12 +18,14 @@ import torch
 
 from ._native import DcNamespaceTaken, existing_dc_owner, load
 from .compat.deepcompile_prefetch import PREFETCH_BUDGET_ENV, parse_budget_mib
+from .compat.deepcompile_profile_store import PROFILE_STORE_ENV
 from .installer import InstallError, InstallReport, UnsupportedDeepSpeed, install, installed, uninstall
 
 __all__ = ["native", "build_info", "current_graph_task_id", "DcNamespaceTaken",
            "existing_dc_owner", "__version__", "install", "uninstall", "installed",
            "InstallReport", "InstallError", "UnsupportedDeepSpeed", "set_persistence_budget",
-           "PERSISTENCE_BUDGET_ENV", "set_prefetch_budget", "PREFETCH_BUDGET_ENV"]
+           "PERSISTENCE_BUDGET_ENV", "set_prefetch_budget", "PREFETCH_BUDGET_ENV",
+           "set_profile_store", "PROFILE_STORE_ENV"]
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -92,3 +94,27 @@ def set_prefetch_budget(mib: Optional[float]) -> None:
         os.environ.pop(PREFETCH_BUDGET_ENV, None)
     else:
         os.environ[PREFETCH_BUDGET_ENV] = repr(parse_budget_mib(mib, "set_prefetch_budget"))
+
+
+def set_profile_store(directory: Optional[str | os.PathLike]) -> None:
+    """Keep DeepCompile's graph profiles in ``directory`` and replay them in later runs
+    (``None``: profile afresh each time, DeepSpeed's behaviour).
+
+    DeepCompile orders each graph's all-gathers by the times it measured profiling that graph;
+    timings vary from run to run, so two runs of the same job compile graphs in different orders
+    and inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) cannot serve the second. With a store, the
+    first run's profile of each graph is written there and a later run uses it once every rank
+    has it: the same schedule, the same graphs, and inductor's cached code. Profiling still runs.
+    A stored profile describes the hardware it was measured on (the fingerprint names the device
+    and group size); delete the directory to measure again.
+
+    Applies while ds_z3native is installed (patch ``deepcompile-profile-store``), in this process
+    and its children (through ``DS_Z3NATIVE_PROFILE_STORE``, which can also be set directly). Use
+    the same setting on every rank."""
+    if directory is None:
+        os.environ.pop(PROFILE_STORE_ENV, None)
+        return
+    path = os.fspath(directory)
+    if not str(path).strip():
+        raise ValueError("set_profile_store: the directory is empty; pass None to turn the store off")
+    os.environ[PROFILE_STORE_ENV] = str(path)

@@ -155,17 +155,12 @@ def test_lora_llama_fp32_checkpointing_matches_eager_zero3_tightly(runs: Dict[st
     print(f"[ckpt-fp32] max rel loss diff {rel:.2e}; max |LoRA param diff| {worst:.2e}")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 5, open: with transformers' checkpointing graph breaks kept, torch 2.11 on the GPU host "
-    "failed with 'weight' must be 2-D (DeepSpeed 0.19.8; 0.19.2: KeyError wait_allgather_ds_param__arg0_1_0 "
-    "in DeepCompile's backend). Cause found: Dynamo compiled our eager gather's own frames "
-    "(the param a graph input), and DeepCompile's profiler partitioned the param after profiling that "
-    "graph. Fixed (the gather never compiled, held params' partition deferred; CPU tests in "
-    "tests/test_compat_eager_gather.py) but not yet re-run on the GPU host. The user "
-    "path (graph breaks removed by install()) trains: the tests above."))
 def test_eager_fallback_gather_alone_trains_with_the_graph_breaks_kept(runs: Dict[str, Any]) -> None:
     # Graph breaks left in place: the code Dynamo gives up on runs eagerly and must see gathered
-    # params. Where the weak run fails (below), the embedding is what our gather caught.
+    # params. Where the weak run fails (below), the embedding is what our gather caught. (Until
+    # the gather was kept out of Dynamo, torch 2.11 compiled its frames with the param as a graph
+    # input and DeepCompile's profiler partitioned it again: 'weight' must be 2-D on 0.19.8,
+    # KeyError wait_allgather_ds_param__arg0_1_0 on 0.19.2.)
     gathered, eager = _trained(runs["ckpt-bf16-gather-only"]), _trained(runs["ckpt-bf16-eager"])
     _report("ckpt-bf16-gather-only", gathered)
     assert gathered["graph_breaks"] > 0

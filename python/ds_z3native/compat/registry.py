@@ -47,11 +47,13 @@ def _optional_patches(module_name: str) -> List[Patch]:
 def all_patches() -> List[Patch]:
     """Every known patch, whatever DeepSpeed version it targets."""
     from . import (deepcompile_eager, deepcompile_frozen, deepcompile_graph_ids,
-                   deepcompile_prefetch, gloo_collectives, hf_graph_breaks)
+                   deepcompile_prefetch, deepcompile_profile_store, gloo_collectives,
+                   hf_graph_breaks)
 
     patches = (list(deepcompile_frozen.PATCHES) + list(hf_graph_breaks.PATCHES)
                + list(deepcompile_eager.PATCHES) + list(deepcompile_prefetch.PATCHES)
-               + list(deepcompile_graph_ids.PATCHES) + list(gloo_collectives.PATCHES))
+               + list(deepcompile_graph_ids.PATCHES) + list(deepcompile_profile_store.PATCHES)
+               + list(gloo_collectives.PATCHES))
     for name in OPTIONAL_MODULES:
         patches += _optional_patches(name)
     names = [p.name for p in patches]

@@ -1,0 +1,331 @@
+"""DeepCompile's profile kept between runs, so that a second run schedules the same graphs.
+
+DeepCompile profiles each graph it compiles (``ProfilingInterpreter``: every node's device and
+wall time and memory; ``MemoryProfilingInterpreter`` at a re-plan: the memory after each node)
+and its scheduler orders the all-gathers by those figures: ``fast_free_schedule`` ranks
+candidate gathers by the summed ``device_time`` of the nodes they need. Timings differ from run
+to run by noise, so on a GPU two runs of the same job give graphs whose nodes come in another
+order, and inductor's FX-graph cache, keyed on the graph, misses every one of them (measured on
+an H200, torch 2.11: two identical runs, 4 of 4 graphs missed, the graphs differing only in the
+order of gathers and of the prefetch list; the graph ids were already canonical). On the CPU the
+profile's device times are 0 and a second run hits.
+
+* :data:`DEEPCOMPILE_PROFILE_STORE` (every release this package supports): with a store directory
+  set (:func:`ds_z3native.set_profile_store`, or ``DS_Z3NATIVE_PROFILE_STORE``), each complete
+  profile of a graph is written there under a fingerprint of the graph (node names, ops,
+  targets, argument structure and tensor shapes; DeepSpeed and torch versions, device name,
+  process-group size), the how-manieth profile of that graph in the run it is (DeepCompile
+  profiles a graph again at its re-plan) and this rank, and a later profile of a graph with the same fingerprint is
+  replaced by the stored one once every rank of the profiler's process group has it: the
+  scheduler then sees the figures of the first run and orders the graph the same way. The
+  all-gather timings DeepCompile's prefetch pass fuses gathers by (``comm_profile.run_all_gather``,
+  measured once per process) are kept and replayed the same way, the benchmark then skipped on
+  every rank. The graph profiling itself still runs (its collectives are part of DeepCompile's
+  protocol between ranks).
+  Without a store directory nothing changes. A stored profile is what the first run measured on
+  this hardware; delete the directory to measure again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from packaging.version import Version
+
+from . import Patch, Undo
+from ._rebind import undo_all, when_module_imported, wrap_function, wrap_method
+
+__all__ = ["PROFILE_STORE_ENV", "PROFILE_MODULE", "COMM_PROFILE_MODULE", "NODE_KEYS", "profile_store", "graph_fingerprint",
+           "store_stats", "reset_store_stats", "patch_profile_store", "DEEPCOMPILE_PROFILE_STORE",
+           "PATCHES"]
+
+log = logging.getLogger(__name__)
+
+PROFILE_STORE_ENV = "DS_Z3NATIVE_PROFILE_STORE"
+PROFILE_MODULE = "deepspeed.compile.profilers.graph_profile"
+COMM_PROFILE_MODULE = "deepspeed.compile.profilers.comm_profile"
+# What DeepSpeed's profilers write into each node's meta (the last two since 0.19.8).
+NODE_KEYS = ("device_time", "wall_time", "alloc_mem", "max_mem", "tensor_size", "profile_mem_start",
+             "profile_mem_peak")
+_FORMAT = 1
+
+_stats_lock = threading.Lock()
+_stats: Dict[str, int] = {"recorded": 0, "replayed": 0}
+# How many profiles of each graph this process has taken: DeepCompile profiles a graph again at
+# its re-plan, and that profile is stored apart from the first one (the n-th profile of a graph
+# replays the n-th of the run that recorded it, never an earlier one of the same run).
+_occurrences: Dict[str, int] = {}
+
+
+def profile_store() -> Optional[Path]:
+    """The store directory in effect (``DS_Z3NATIVE_PROFILE_STORE``), or None."""
+    value = os.environ.get(PROFILE_STORE_ENV, "").strip()
+    return Path(value) if value else None
+
+
+def store_stats() -> Dict[str, int]:
+    """How many profiles this process wrote to the store and replayed from it."""
+    with _stats_lock:
+        return dict(_stats)
+
+
+def reset_store_stats() -> None:
+    """Zero :func:`store_stats` and forget which graphs were profiled (as a new process)."""
+    with _stats_lock:
+        for key in _stats:
+            _stats[key] = 0
+        _occurrences.clear()
+
+
+def _count(key: str) -> None:
+    with _stats_lock:
+        _stats[key] += 1
+
+
+def _occurrence(key: str) -> int:
+    with _stats_lock:
+        n = _occurrences.get(key, 0)
+        _occurrences[key] = n + 1
+        return n
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    name = getattr(target, "name", None)
+    if callable(name):
+        return str(name())
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+
+
+def _arg_shape(value: Any) -> Any:
+    """An argument as the fingerprint sees it: a node by its name, a container item by item,
+    anything else by its type only (DeepSpeed's graph id is an int that differs per run)."""
+    if isinstance(value, torch.fx.Node):
+        return value.name
+    if isinstance(value, (list, tuple)):
+        return [_arg_shape(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _arg_shape(v) for k, v in value.items()}
+    return type(value).__name__
+
+
+def _value_shape(node: torch.fx.Node) -> str:
+    val = node.meta.get("val", node.meta.get("tensor_meta"))
+    shape = getattr(val, "shape", None)
+    if shape is None:
+        return ""
+    return f"{tuple(int(s) if isinstance(s, int) else str(s) for s in shape)} {getattr(val, 'dtype', '')}"
+
+
+def graph_fingerprint(kind: str, graph: torch.fx.Graph, context: List[str]) -> str:
+    """A digest of ``graph`` that two runs of the same program share: each node's name, op,
+    target, argument structure and value shape, plus ``kind`` and ``context`` lines."""
+    lines = [f"format {_FORMAT}", kind, *context]
+    for n in graph.nodes:
+        lines.append(json.dumps([n.op, n.name, _target_name(n.target), _arg_shape(n.args),
+                                 _arg_shape(n.kwargs), _value_shape(n)]))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _group_info(interp: Any) -> tuple:
+    """(rank, size) of the profiler's process group; (0, 1) without torch.distributed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0, 1
+    group = getattr(interp, "process_group", None)
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def _context(size: int) -> List[str]:
+    import deepspeed
+
+    device = ""
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name(torch.cuda.current_device())
+    return [f"deepspeed {deepspeed.__version__}", f"torch {torch.__version__}", f"device {device}",
+            f"group size {size}"]
+
+
+def _all_ranks_agree(mine: bool, size: int, device: Any, group: Any = None) -> bool:
+    """Whether ``mine`` holds on every rank of ``group`` (a MIN all-reduce there)."""
+    if size <= 1:
+        return mine
+    import deepspeed.comm as ds_dist
+
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
+    ds_dist.all_reduce(flag, op=ds_dist.ReduceOp.MIN, group=group)
+    return int(flag.item()) == 1
+
+
+def _load(path: Path, kind: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("DeepCompile profile store: %s is unreadable (%s); profiling afresh", path, e)
+        return None
+    if record.get("format") != _FORMAT or record.get("kind") != kind:
+        return None
+    return record
+
+
+def _save(path: Path, record: Dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("DeepCompile profile store: could not write %s (%s)", path, e)
+
+
+def _with_store(kind: str, complete: Callable[[Any, Any], bool], capture: Callable[[Any], Dict[str, Any]],
+                replay: Callable[[Any, Dict[str, Any]], bool]) -> Callable[[Callable], Callable]:
+    """A wrapper of a profiler's ``run`` that records its profile, or replays a stored one."""
+
+    def make(run: Callable) -> Callable:
+        def run_with_profile_store(self: Any, *args: Any) -> Any:
+            out = run(self, *args)
+            store = profile_store()
+            if store is None:
+                return out
+            rank, size = _group_info(self)
+            key = graph_fingerprint(kind, self.graph, _context(size))
+            path = store / f"{kind}-{key[:32]}-{_occurrence(key)}.rank{rank}.json"
+            ok = complete(self, out)
+            stored = _load(path, kind) if ok else None
+            agreed = _all_ranks_agree(stored is not None, size, getattr(self, "device", "cpu"),
+                                      getattr(self, "process_group", None))
+            if agreed and stored is not None and replay(self, stored):
+                _count("replayed")
+                log.info("DeepCompile profile store: %s profile of a %d-node graph replayed from %s",
+                         kind, len(self.graph.nodes), path)
+            elif ok and stored is None:
+                _save(path, {"format": _FORMAT, "kind": kind, **capture(self)})
+                _count("recorded")
+                log.info("DeepCompile profile store: %s profile of a %d-node graph recorded in %s",
+                         kind, len(self.graph.nodes), path)
+            return out
+
+        return run_with_profile_store
+
+    return make
+
+
+def _operator_profile_complete(interp: Any, out: Any) -> bool:
+    import importlib
+
+    module = importlib.import_module(PROFILE_MODULE)
+    incomplete = getattr(module, "is_profile_incomplete", None)
+    if incomplete is not None:
+        return not incomplete(interp.graph)
+    return out is not None  # DeepSpeed before 0.19.8: a failed profile returns nothing
+
+
+def _capture_nodes(interp: Any) -> Dict[str, Any]:
+    return {"nodes": {n.name: {k: n.meta[k] for k in NODE_KEYS if k in n.meta} for n in interp.graph.nodes}}
+
+
+def _replay_nodes(interp: Any, stored: Dict[str, Any]) -> bool:
+    nodes = stored.get("nodes", {})
+    if set(nodes) != {n.name for n in interp.graph.nodes}:
+        return False
+    for n in interp.graph.nodes:
+        n.meta.update(nodes[n.name])
+    return True
+
+
+def _capture_memory(interp: Any) -> Dict[str, Any]:
+    record = _capture_nodes(interp)
+    record["mem_record"] = [list(r) for r in interp.mem_record]
+    return record
+
+
+def _replay_memory(interp: Any, stored: Dict[str, Any]) -> bool:
+    if not _replay_nodes(interp, stored):
+        return False
+    interp.mem_record = [tuple(r) for r in stored.get("mem_record", [])]
+    return True
+
+
+def _with_comm_store(run_all_gather: Callable) -> Callable:
+    """A wrapper of DeepSpeed's all-gather benchmark (``comm_profile.run_all_gather``, what its
+    prefetch pass predicts gather times from, once per process) that records its timings, or
+    replays stored ones on every rank, skipping the benchmark."""
+
+    def run_all_gather_with_store(device: Any, dtype: Any, *args: Any, **kwargs: Any) -> Any:
+        store = profile_store()
+        if store is None:
+            return run_all_gather(device, dtype, *args, **kwargs)
+        import torch.distributed as dist
+
+        rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        key = hashlib.sha256("\n".join([f"format {_FORMAT}", "comm", *_context(size), str(dtype),
+                                        repr(args), repr(sorted(kwargs.items()))]).encode()).hexdigest()
+        path = store / f"comm-{key[:32]}.rank{rank}.json"
+        stored = _load(path, "comm")
+        if _all_ranks_agree(stored is not None, size, device) and stored is not None:
+            _count("replayed")
+            log.info("DeepCompile profile store: all-gather timings replayed from %s", path)
+            return [tuple(r) for r in stored["results"]]
+        results = run_all_gather(device, dtype, *args, **kwargs)
+        _save(path, {"format": _FORMAT, "kind": "comm", "results": [list(r) for r in results]})
+        _count("recorded")
+        log.info("DeepCompile profile store: all-gather timings recorded in %s", path)
+        return results
+
+    return run_all_gather_with_store
+
+
+def patch_profile_store() -> Undo:
+    """Wrap ``run`` of DeepSpeed's two profilers (once DeepSpeed imports them) with the store."""
+
+    def apply() -> Undo:
+        import importlib
+
+        module = importlib.import_module(PROFILE_MODULE)
+        undos = [wrap_method(module.ProfilingInterpreter, "run",
+                             _with_store("operator", _operator_profile_complete, _capture_nodes,
+                                         _replay_nodes))]
+        if hasattr(module, "MemoryProfilingInterpreter"):
+            undos.append(wrap_method(module.MemoryProfilingInterpreter, "run",
+                                     _with_store("memory",
+                                                 lambda interp, out: bool(getattr(interp, "profile_complete", True)),
+                                                 _capture_memory, _replay_memory)))
+        return undo_all(undos)
+
+    def apply_comm() -> Undo:
+        import importlib
+
+        module = importlib.import_module(COMM_PROFILE_MODULE)
+        if not hasattr(module, "run_all_gather"):
+            return lambda: None
+        return wrap_function([module], "run_all_gather", _with_comm_store)
+
+    return undo_all([when_module_imported(PROFILE_MODULE, apply),
+                     when_module_imported(COMM_PROFILE_MODULE, apply_comm)])
+
+
+DEEPCOMPILE_PROFILE_STORE = Patch(
+    name="deepcompile-profile-store",
+    summary="with a store directory set, DeepCompile's graph profiles are kept between runs and "
+            "replayed, so a second run schedules the same graphs (and inductor's cache can serve "
+            "them); nothing changes without one",
+    apply=patch_profile_store,
+    first=Version("0.19.0"),
+    last=None,
+)
+
+PATCHES = [DEEPCOMPILE_PROFILE_STORE]

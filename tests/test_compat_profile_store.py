@@ -183,15 +183,18 @@ def _profile_on_rank(rank: int, world_size: int, base: str) -> Dict[str, Any]:
         shutil.rmtree(os.environ[store.PROFILE_STORE_ENV])
     store.reset_store_stats()
     second = _profile(_graph(6))
-    return {"first": first, "second": second, "stats": store.store_stats()}
+    (path,) = Path(os.environ[store.PROFILE_STORE_ENV]).iterdir()
+    stored = {name: meta["device_time"] for name, meta in json.loads(path.read_text())["nodes"].items()}
+    return {"first": first, "second": second, "stats": store.store_stats(), "stored": stored}
 
 
 def test_ranks_replay_only_when_every_rank_has_the_profile(tmp_path: Path) -> None:
     # A rank replaying while another measures would schedule its collectives in another order.
     r0, r1 = run_ranks(_profile_on_rank, 2, str(tmp_path), timeout=180)
-    assert r0["stats"] == {"recorded": 0, "replayed": 0}  # it had the file but rank 1 had not
+    # Rank 0 had the file but rank 1 had not: both measure, and both write this run's profile.
+    assert r0["stats"] == r1["stats"] == {"recorded": 1, "replayed": 0}
     assert r0["second"] != r0["first"]
-    assert r1["stats"] == {"recorded": 1, "replayed": 0}
+    assert r0["stored"] == r0["second"] and r1["stored"] == r1["second"]
 
 
 def test_install_wraps_deepspeeds_profilers_and_uninstall_restores_them() -> None:
@@ -202,18 +205,18 @@ def test_install_wraps_deepspeeds_profilers_and_uninstall_restores_them() -> Non
     module = importlib.import_module(store.PROFILE_MODULE)
     comm = importlib.import_module(store.COMM_PROFILE_MODULE)
     benchmark = comm.run_all_gather
-    before = module.ProfilingInterpreter.__dict__["run"], module.MemoryProfilingInterpreter.__dict__["run"]
+    profilers = (module.ProfilingInterpreter, module.MemoryProfilingInterpreter)
+    before = tuple(cls.__dict__["run"] for cls in profilers)
     was_installed = ds_z3native.installed()
     ds_z3native.install()
     try:
         assert "deepcompile-profile-store" in ds_z3native.install().patches
-        wrapped = module.ProfilingInterpreter.__dict__["run"], module.MemoryProfilingInterpreter.__dict__["run"]
+        wrapped = tuple(cls.__dict__["run"] for cls in profilers)
         assert all(w is not b and w.__wrapped__ is b for w, b in zip(wrapped, before))
         assert comm.run_all_gather.__wrapped__ is benchmark
     finally:
         if not was_installed:
             ds_z3native.uninstall()
     if not was_installed:
-        assert (module.ProfilingInterpreter.__dict__["run"],
-                module.MemoryProfilingInterpreter.__dict__["run"]) == before
+        assert tuple(cls.__dict__["run"] for cls in profilers) == before
         assert comm.run_all_gather is benchmark

@@ -15,9 +15,10 @@ profile's device times are 0 and a second run hits.
   profile of a graph is written there under a fingerprint of the graph (node names, ops,
   targets, argument structure and tensor shapes; DeepSpeed and torch versions, device name,
   process-group size), the how-manieth profile of that graph in the run it is (DeepCompile
-  profiles a graph again at its re-plan) and this rank, and a later profile of a graph with the same fingerprint is
-  replaced by the stored one once every rank of the profiler's process group has it: the
-  scheduler then sees the figures of the first run and orders the graph the same way. The
+  profiles a graph again at its re-plan) and this rank. A later profile of a graph with the same
+  fingerprint is replaced by the stored one when every rank of the profiler's process group has
+  it (else every rank measures and writes its file anew): the scheduler then sees the figures
+  of the first run and orders the graph the same way. The
   all-gather timings DeepCompile's prefetch pass fuses gathers by (``comm_profile.run_all_gather``,
   measured once per process) are kept and replayed the same way, the benchmark then skipped on
   every rank. The graph profiling itself still runs (its collectives are part of DeepCompile's
@@ -42,9 +43,9 @@ from packaging.version import Version
 from . import Patch, Undo
 from ._rebind import undo_all, when_module_imported, wrap_function, wrap_method
 
-__all__ = ["PROFILE_STORE_ENV", "PROFILE_MODULE", "COMM_PROFILE_MODULE", "NODE_KEYS", "profile_store", "graph_fingerprint",
-           "store_stats", "reset_store_stats", "patch_profile_store", "DEEPCOMPILE_PROFILE_STORE",
-           "PATCHES"]
+__all__ = ["PROFILE_STORE_ENV", "PROFILE_MODULE", "COMM_PROFILE_MODULE", "NODE_KEYS",
+           "profile_store", "graph_fingerprint", "store_stats", "reset_store_stats",
+           "patch_profile_store", "DEEPCOMPILE_PROFILE_STORE", "PATCHES"]
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ def _save(path: Path, record: Dict[str, Any]) -> None:
 
 
 def _with_store(kind: str, complete: Callable[[Any, Any], bool], capture: Callable[[Any], Dict[str, Any]],
-                replay: Callable[[Any, Dict[str, Any]], bool]) -> Callable[[Callable], Callable]:
+                replay: Callable[[Any, Dict[str, Any]], None]) -> Callable[[Callable], Callable]:
     """A wrapper of a profiler's ``run`` that records its profile, or replays a stored one."""
 
     def make(run: Callable) -> Callable:
@@ -206,13 +207,18 @@ def _with_store(kind: str, complete: Callable[[Any, Any], bool], capture: Callab
             path = store / f"{kind}-{key[:32]}-{_occurrence(key)}.rank{rank}.json"
             ok = complete(self, out)
             stored = _load(path, kind) if ok else None
-            agreed = _all_ranks_agree(stored is not None, size, getattr(self, "device", "cpu"),
-                                      getattr(self, "process_group", None))
-            if agreed and stored is not None and replay(self, stored):
+            usable = stored is not None and _fits(self, stored)
+            # Every rank replays, or none does: a rank scheduling from other figures than its
+            # peers would issue its collectives in another order.
+            if _all_ranks_agree(usable, size, getattr(self, "device", "cpu"),
+                                getattr(self, "process_group", None)):
+                replay(self, stored)
                 _count("replayed")
                 log.info("DeepCompile profile store: %s profile of a %d-node graph replayed from %s",
                          kind, len(self.graph.nodes), path)
-            elif ok and stored is None:
+            elif ok:
+                # Written anew where a file was there but not used: every rank's store then
+                # holds the profile of this one run.
                 _save(path, {"format": _FORMAT, "kind": kind, **capture(self)})
                 _count("recorded")
                 log.info("DeepCompile profile store: %s profile of a %d-node graph recorded in %s",
@@ -234,17 +240,23 @@ def _operator_profile_complete(interp: Any, out: Any) -> bool:
     return out is not None  # DeepSpeed before 0.19.8: a failed profile returns nothing
 
 
+def _memory_profile_complete(interp: Any, out: Any) -> bool:
+    return bool(getattr(interp, "profile_complete", True))
+
+
 def _capture_nodes(interp: Any) -> Dict[str, Any]:
     return {"nodes": {n.name: {k: n.meta[k] for k in NODE_KEYS if k in n.meta} for n in interp.graph.nodes}}
 
 
-def _replay_nodes(interp: Any, stored: Dict[str, Any]) -> bool:
-    nodes = stored.get("nodes", {})
-    if set(nodes) != {n.name for n in interp.graph.nodes}:
-        return False
+def _fits(interp: Any, stored: Dict[str, Any]) -> bool:
+    """Whether a stored profile covers exactly the nodes of the graph being profiled."""
+    nodes = stored.get("nodes")
+    return isinstance(nodes, dict) and set(nodes) == {n.name for n in interp.graph.nodes}
+
+
+def _replay_nodes(interp: Any, stored: Dict[str, Any]) -> None:
     for n in interp.graph.nodes:
-        n.meta.update(nodes[n.name])
-    return True
+        n.meta.update(stored["nodes"][n.name])
 
 
 def _capture_memory(interp: Any) -> Dict[str, Any]:
@@ -253,11 +265,9 @@ def _capture_memory(interp: Any) -> Dict[str, Any]:
     return record
 
 
-def _replay_memory(interp: Any, stored: Dict[str, Any]) -> bool:
-    if not _replay_nodes(interp, stored):
-        return False
+def _replay_memory(interp: Any, stored: Dict[str, Any]) -> None:
+    _replay_nodes(interp, stored)
     interp.mem_record = [tuple(r) for r in stored.get("mem_record", [])]
-    return True
 
 
 def _with_comm_store(run_all_gather: Callable) -> Callable:
@@ -276,7 +286,8 @@ def _with_comm_store(run_all_gather: Callable) -> Callable:
                                         repr(args), repr(sorted(kwargs.items()))]).encode()).hexdigest()
         path = store / f"comm-{key[:32]}.rank{rank}.json"
         stored = _load(path, "comm")
-        if _all_ranks_agree(stored is not None, size, device) and stored is not None:
+        usable = stored is not None and isinstance(stored.get("results"), list)
+        if _all_ranks_agree(usable, size, device):
             _count("replayed")
             log.info("DeepCompile profile store: all-gather timings replayed from %s", path)
             return [tuple(r) for r in stored["results"]]
@@ -301,8 +312,7 @@ def patch_profile_store() -> Undo:
                                          _replay_nodes))]
         if hasattr(module, "MemoryProfilingInterpreter"):
             undos.append(wrap_method(module.MemoryProfilingInterpreter, "run",
-                                     _with_store("memory",
-                                                 lambda interp, out: bool(getattr(interp, "profile_complete", True)),
+                                     _with_store("memory", _memory_profile_complete,
                                                  _capture_memory, _replay_memory)))
         return undo_all(undos)
 

@@ -15,16 +15,16 @@ profile's device times are 0 and a second run hits.
   profile of a graph is written there under a fingerprint of the graph (node names, ops,
   targets, argument structure and tensor shapes; DeepSpeed and torch versions, device name,
   process-group size), the how-manieth profile of that graph in the run it is (DeepCompile
-  profiles a graph again at its re-plan) and this rank. A later profile of a graph with the same
-  fingerprint is replaced by the stored one when every rank of the profiler's process group has
-  it (else every rank measures and writes its file anew): the scheduler then sees the figures
-  of the first run and orders the graph the same way. The
-  all-gather timings DeepCompile's prefetch pass fuses gathers by (``comm_profile.run_all_gather``,
-  measured once per process) are kept and replayed the same way, the benchmark then skipped on
-  every rank. The graph profiling itself still runs (its collectives are part of DeepCompile's
-  protocol between ranks).
-  Without a store directory nothing changes. A stored profile is what the first run measured on
-  this hardware; delete the directory to measure again.
+  profiles a graph again at its re-plan) and this process's global rank. A later profile of a
+  graph with the same fingerprint is replaced by the stored one when every rank of the
+  profiler's process group has it (else every rank measures and writes its file anew): the
+  scheduler then sees the figures of the first run and orders the graph the same way. The
+  all-gather timings DeepCompile's prefetch pass fuses gathers by
+  (``comm_profile.run_all_gather``, measured once per process) are kept and replayed the same
+  way, the benchmark then skipped on every rank. The graph profiling itself still runs (its
+  collectives are part of DeepCompile's protocol between ranks). Without a store directory
+  nothing changes. A stored profile is what the first run measured on this hardware; delete the
+  directory to measure again.
 """
 
 from __future__ import annotations
@@ -137,13 +137,14 @@ def graph_fingerprint(kind: str, graph: torch.fx.Graph, context: List[str]) -> s
 
 
 def _group_info(interp: Any) -> tuple:
-    """(rank, size) of the profiler's process group; (0, 1) without torch.distributed."""
+    """(this process's global rank, the size of the profiler's process group); (0, 1) without
+    torch.distributed. Files are named by the global rank: with several data-parallel groups
+    sharing a store, two groups' rank 0 would otherwise read and write the same file."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return 0, 1
-    group = getattr(interp, "process_group", None)
-    return dist.get_rank(group=group), dist.get_world_size(group=group)
+    return dist.get_rank(), dist.get_world_size(group=getattr(interp, "process_group", None))
 
 
 def _context(size: int) -> List[str]:

@@ -143,7 +143,7 @@ def test_a_second_run_is_compiled_from_the_fx_graph_cache(tmp_path) -> None:  # 
     # skip without CUDA timings), is served from the cache within the first run, and a second run
     # with the same cache directory compiles nothing; both train the same.
     # A profile store set (what a GPU run needs for the same schedule: tests/test_compat_profile_store.py,
-    # tests/gpu/test_deepcompile_llama.py) keeps only complete profiles; the CPU's have no CUDA
+    # tests/gpu/test_profile_store_gpu.py) keeps only complete profiles; the CPU's have no CUDA
     # timings (DeepSpeed marks them incomplete), so nothing is recorded and nothing replayed.
     env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 from packaging.version import Version
@@ -126,14 +126,17 @@ def _value_shape(node: torch.fx.Node) -> str:
     return f"{tuple(int(s) if isinstance(s, int) else str(s) for s in shape)} {getattr(val, 'dtype', '')}"
 
 
+def _digest(kind: str, context: List[str], lines: Iterable[str]) -> str:
+    """The store key of a ``kind`` of profile taken in ``context``, described by ``lines``."""
+    return hashlib.sha256("\n".join([f"format {_FORMAT}", kind, *context, *lines]).encode()).hexdigest()
+
+
 def graph_fingerprint(kind: str, graph: torch.fx.Graph, context: List[str]) -> str:
     """A digest of ``graph`` that two runs of the same program share: each node's name, op,
     target, argument structure and value shape, plus ``kind`` and ``context`` lines."""
-    lines = [f"format {_FORMAT}", kind, *context]
-    for n in graph.nodes:
-        lines.append(json.dumps([n.op, n.name, _target_name(n.target), _arg_shape(n.args),
-                                 _arg_shape(n.kwargs), _value_shape(n)]))
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    return _digest(kind, context, (json.dumps([n.op, n.name, _target_name(n.target), _arg_shape(n.args),
+                                               _arg_shape(n.kwargs), _value_shape(n)])
+                                   for n in graph.nodes))
 
 
 def _group_info(interp: Any) -> tuple:
@@ -283,8 +286,7 @@ def _with_comm_store(run_all_gather: Callable) -> Callable:
         import torch.distributed as dist
 
         rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        key = hashlib.sha256("\n".join([f"format {_FORMAT}", "comm", *_context(size), str(dtype),
-                                        repr(args), repr(sorted(kwargs.items()))]).encode()).hexdigest()
+        key = _digest("comm", _context(size), [str(dtype), repr(args), repr(sorted(kwargs.items()))])
         path = store / f"comm-{key[:32]}.rank{rank}.json"
         stored = _load(path, "comm")
         usable = stored is not None and isinstance(stored.get("results"), list)

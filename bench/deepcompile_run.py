@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import faulthandler
 import json
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import logging
@@ -49,10 +51,40 @@ def arm_watchdog(seconds: float) -> None:
     """Past ``seconds``, print every thread's stack to stderr and exit with 1 (a hang becomes a
     diagnosable failure). The dump goes to a copy of the stderr descriptor taken now: libraries
     point fd 2 elsewhere for a while (DeepSpeed's op builder compiles a probe program with fd 2
-    sent to a temporary file), and a dump written then would be lost."""
+    sent to a temporary file), and a dump written then would be lost.
+
+    The dump is taken by a Python thread holding the GIL (``sys._current_frames``), the main
+    thread's stack first: no other thread runs Python code while it reads the frames.
+    faulthandler's own timer, which reads the other threads' frames while they run and can crash
+    doing so (seen in CI: rc -11 before the first frame), is only the backstop for a hang that
+    never releases the GIL, ``_GIL_BACKSTOP_S`` later."""
     global _WATCHDOG_OUT
     _WATCHDOG_OUT = os.fdopen(os.dup(sys.stderr.fileno()), "w")
-    faulthandler.dump_traceback_later(seconds, exit=True, file=_WATCHDOG_OUT)
+    faulthandler.dump_traceback_later(seconds + _GIL_BACKSTOP_S, exit=True, file=_WATCHDOG_OUT)
+    threading.Thread(target=_watchdog, args=(seconds, _WATCHDOG_OUT), name="bench-watchdog",
+                     daemon=True).start()
+
+
+_GIL_BACKSTOP_S = 60.0
+
+
+def _watchdog(seconds: float, out: Any) -> None:
+    time.sleep(seconds)
+    frames = sys._current_frames()
+    me, main = threading.get_ident(), threading.main_thread().ident
+    # faulthandler's format (header, then per thread the newest frame first, at most 100), so
+    # readers of either dump parse both.
+    lines = [f"Timeout ({datetime.timedelta(seconds=round(seconds))})!"]
+    for ident in sorted(frames, key=lambda i: i != main):
+        if ident == me:
+            continue
+        lines.append(f"Thread 0x{ident:016x} (most recent call first):")
+        stack = traceback.extract_stack(frames[ident])[::-1][:100]
+        lines += [f'  File "{f.filename}", line {f.lineno} in {f.name}' for f in stack]
+        lines.append("")
+    out.write("\n".join(lines) + "\n")
+    out.flush()
+    os._exit(1)
 
 
 def _launcher_env() -> None:

@@ -575,12 +575,16 @@ def check_lora_variants(variants: Sequence[str]) -> None:
 
 
 def _lora_inductor_cache(ctx: BenchContext, deepspeed: str, variant: str = "") -> Dict[str, str]:
-    """The environment giving this invocation's LoRA runs on ``deepspeed`` their own inductor
-    cache: fresh per invocation, so every variant compiles cold but dc-warm, which finds what dc
-    put there. dc and dc-warm also share a DeepCompile profile store (dc records, dc-warm
-    replays: the same schedule, so the cached graphs match)."""
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(ctx.work_dir / "inductor" / deepspeed)}
-    if variant in ("dc", "dc-warm"):
+    """The environment giving this invocation's LoRA run of ``variant`` on ``deepspeed`` its own
+    inductor cache, fresh per invocation and per variant, so every variant compiles cold but
+    dc-warm, which shares dc's and finds what dc put there (a DeepCompile variant with DeepSpeed's
+    op builds graphs with the same ``torch.ops.dc`` calls, which could hit dc's entries). dc and
+    dc-warm also share a DeepCompile profile store (dc records, dc-warm replays: the same
+    schedule, so the cached graphs match)."""
+    shared = variant in ("dc", "dc-warm")
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(ctx.work_dir / "inductor" / deepspeed
+                                          / ("dc" if shared else variant or "default"))}
+    if shared:
         env["DS_Z3NATIVE_PROFILE_STORE"] = str(ctx.work_dir / "profiles" / deepspeed)
     return env
 

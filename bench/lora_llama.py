@@ -509,7 +509,8 @@ def bench_name(world_size: int) -> str:
 def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     """Combines per-variant records into ``{"bench": "lora_llama", "runs": {"<variant>@<deepspeed>":
     ...}}`` (``lora_llama_ws<N>`` for runs on N GPUs; existing runs in ``output`` are kept unless
-    replaced), and gives each run its ratios
+    replaced, and a replaced run moves, with the ratios it had, to the file's ``replaced`` list:
+    the numbers a README cited stay in the JSON), and gives each run its ratios
     to the ``upstream`` (eager, non-reentrant checkpointing) and ``none`` (eager, no
     checkpointing) runs of the newest DeepSpeed in the file: ``speedup`` = baseline step time /
     this step time, ``peak_ratio`` = this peak / baseline peak, ``baseline_ms`` and ``run``
@@ -531,6 +532,8 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
             raise ValueError(f"{path}: run {key} has setup {setup}, but {output} holds run "
                              f"{clash[0]} with {clash[1]}; one file compares one setup (write "
                              f"this one to another --output)")
+        if key in merged["runs"]:
+            merged.setdefault("replaced", []).append(merged["runs"][key])
         merged["runs"][key] = record
     sizes = {(r.get("setup") or {}).get("world_size") for r in merged["runs"].values()} - {None}
     merged["bench"] = bench_name(max(sizes, default=1))

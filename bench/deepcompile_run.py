@@ -45,6 +45,7 @@ log = logging.getLogger("bench.deepcompile_run")
 WIDTH = 64
 BATCH = 8
 _WATCHDOG_OUT = None  # where the watchdog writes (kept open for the process's life)
+_GIL_BACKSTOP_S = 60.0  # faulthandler's timer fires this long after the watchdog thread's
 
 
 def arm_watchdog(seconds: float) -> None:
@@ -63,9 +64,6 @@ def arm_watchdog(seconds: float) -> None:
     faulthandler.dump_traceback_later(seconds + _GIL_BACKSTOP_S, exit=True, file=_WATCHDOG_OUT)
     threading.Thread(target=_watchdog, args=(seconds, _WATCHDOG_OUT), name="bench-watchdog",
                      daemon=True).start()
-
-
-_GIL_BACKSTOP_S = 60.0
 
 
 def _watchdog(seconds: float, out: Any) -> None:

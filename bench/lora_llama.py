@@ -69,7 +69,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from packaging.version import Version
 
@@ -506,6 +506,11 @@ def bench_name(world_size: int) -> str:
     return "lora_llama" if world_size <= 1 else f"lora_llama_ws{world_size}"
 
 
+def _measured(record: Mapping[str, Any]) -> Dict[str, Any]:
+    """A run's record without what merging and the suite derive from it (ratios, status)."""
+    return {k: v for k, v in record.items() if k not in ("vs", "ratio", "status")}
+
+
 def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     """Combines per-variant records into ``{"bench": "lora_llama", "runs": {"<variant>@<deepspeed>":
     ...}}`` (``lora_llama_ws<N>`` for runs on N GPUs; existing runs in ``output`` are kept unless
@@ -532,8 +537,9 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
             raise ValueError(f"{path}: run {key} has setup {setup}, but {output} holds run "
                              f"{clash[0]} with {clash[1]}; one file compares one setup (write "
                              f"this one to another --output)")
-        if key in merged["runs"]:
-            merged.setdefault("replaced", []).append(merged["runs"][key])
+        old = merged["runs"].get(key)
+        if old is not None and _measured(old) != _measured(record):  # not the same file again
+            merged.setdefault("replaced", []).append(old)
         merged["runs"][key] = record
     sizes = {(r.get("setup") or {}).get("world_size") for r in merged["runs"].values()} - {None}
     merged["bench"] = bench_name(max(sizes, default=1))

@@ -301,6 +301,8 @@ def test_lora_merge_keeps_one_setup_per_file(tmp_path: Path) -> None:
     assert merged["runs"]["dc-ckpt@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(10.0)
     (old,) = merged["replaced"]
     assert old["step_ms"]["median"] == 150.0 and old["vs"]["upstream"]["speedup"] == pytest.approx(8.0)
+    merged = merge([record("dc-ckpt", 1, 120.0)], out)  # the same record again: nothing replaced
+    assert len(merged["replaced"]) == 1
 
 
 def test_two_gpu_lora_runs_get_their_own_result_and_table(tmp_path: Path) -> None:

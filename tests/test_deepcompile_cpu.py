@@ -230,7 +230,6 @@ def test_the_watchdog_dump_survives_a_redirected_stderr() -> None:
     assert "most recent call first" in r.stderr and 'File "<string>"' in r.stderr, r.stderr
 
 
-
 def test_a_hang_holding_the_gil_is_still_dumped() -> None:
     # The watchdog's Python thread needs the GIL; a hang in C code that never releases it is
     # dumped by faulthandler's timer, _GIL_BACKSTOP_S later.
@@ -247,6 +246,7 @@ def test_a_hang_holding_the_gil_is_still_dumped() -> None:
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert "Timeout (0:00:02)!" in r.stderr, r.stderr
     assert "most recent call first" in r.stderr and 'File "<string>"' in r.stderr, r.stderr
+
 
 def test_a_hung_run_fails_with_its_stacks(monkeypatch: pytest.MonkeyPatch) -> None:
     # The runners' watchdog: a run past WATCHDOG_S prints every thread's stack and exits, and

@@ -212,40 +212,35 @@ def test_use_cache_turned_off_for_training_is_not_saved(tmp_path) -> None:  # ty
         ds_z3native.uninstall()
 
 
-def test_the_watchdog_dump_survives_a_redirected_stderr() -> None:
-    # DeepSpeed's op builder sends fd 2 to a temporary file while it compiles a probe program; a
-    # watchdog firing then (CI, under load) left an empty log. The dump goes to its own copy.
+def _hang_under_watchdog(hang: str, timeout_text: str, setup: str = "") -> None:
+    """Run ``hang`` (Python source) in a fresh interpreter with the runner's watchdog armed at
+    1 s (after ``setup``): it must exit 1 with the dump's header ``timeout_text`` and a stack."""
     import subprocess
     import sys
 
-    code = ("import os, sys, time\n"
+    code = ("import ctypes, os, sys, time\n"
             f"sys.path.insert(0, {str(RUNNER.parent)!r})\n"
             "import deepcompile_run\n"
-            "deepcompile_run.arm_watchdog(1)\n"
-            "os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # as the op builder's probe does\n"
-            "time.sleep(30)\n")
+            f"{setup}deepcompile_run.arm_watchdog(1)\n"
+            f"{hang}\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, (r.returncode, r.stderr)
-    assert "Timeout (0:00:01)!" in r.stderr, r.stderr
+    assert f"Timeout ({timeout_text})!" in r.stderr, r.stderr
     assert "most recent call first" in r.stderr and 'File "<string>"' in r.stderr, r.stderr
+
+
+def test_the_watchdog_dump_survives_a_redirected_stderr() -> None:
+    # DeepSpeed's op builder sends fd 2 to a temporary file while it compiles a probe program; a
+    # watchdog firing then (CI, under load) left an empty log. The dump goes to its own copy.
+    _hang_under_watchdog("os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # as the op builder's probe does\n"
+                         "time.sleep(30)", "0:00:01")
 
 
 def test_a_hang_holding_the_gil_is_still_dumped() -> None:
     # The watchdog's Python thread needs the GIL; a hang in C code that never releases it is
     # dumped by faulthandler's timer, _GIL_BACKSTOP_S later.
-    import subprocess
-    import sys
-
-    code = ("import ctypes, sys\n"
-            f"sys.path.insert(0, {str(RUNNER.parent)!r})\n"
-            "import deepcompile_run\n"
-            "deepcompile_run._GIL_BACKSTOP_S = 1\n"
-            "deepcompile_run.arm_watchdog(1)\n"
-            "ctypes.PyDLL(None).sleep(30)  # libc sleep() with the GIL held\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1, (r.returncode, r.stderr)
-    assert "Timeout (0:00:02)!" in r.stderr, r.stderr
-    assert "most recent call first" in r.stderr and 'File "<string>"' in r.stderr, r.stderr
+    _hang_under_watchdog("ctypes.PyDLL(None).sleep(30)  # libc sleep() with the GIL held", "0:00:02",
+                         setup="deepcompile_run._GIL_BACKSTOP_S = 1\n")
 
 
 def test_a_hung_run_fails_with_its_stacks(monkeypatch: pytest.MonkeyPatch) -> None:

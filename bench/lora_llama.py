@@ -44,8 +44,9 @@ are negligible. The share of peak uses the GPU's dense bf16 peak (H100/H200:
 989 TFLOP/s).
 
 Each run writes one JSON file (setup, versions, step-time median/min/max, peak memory, tokens/s,
-TFLOP/s, peak share; eager ZeRO-3 variants also the bytes held by gathered params, from one extra
-instrumented step); ``merge`` combines such files into one (``bench/results/lora_llama.json``),
+TFLOP/s, peak share, ``gpu_conditions``: the GPU's clocks, power, temperature, clock-event reasons
+and other processes over the timed steps, and the host's load, see ``bench/conditions.py``; eager
+ZeRO-3 variants also the bytes held by gathered params, from one extra instrumented step); ``merge`` combines such files into one (``bench/results/lora_llama.json``),
 with each run's ratio to the same run's ``upstream`` (eager checkpointing) and ``none``.
 A failed run still writes its file, with ``error``.
 
@@ -72,6 +73,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from packaging.version import Version
+
+try:  # run as bench/lora_llama.py, its folder is on the path; imported as bench.lora_llama
+    from bench.conditions import GpuConditions
+except ImportError:
+    from conditions import GpuConditions
 
 log = logging.getLogger("bench.lora_llama")
 
@@ -387,10 +393,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         engine.compile()
     times, losses, all_steps = [], [], []
     compile_marks: Dict[str, Dict[str, float]] = {}
+    conditions = GpuConditions(device.index if on_gpu else None)
     for i in range(total):
-        if i == first_timed and on_gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        if i == first_timed:
+            if on_gpu:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            conditions.start()  # GPU clocks, throttling, neighbours over the timed steps
         start = time.perf_counter()
         losses.append(step())
         elapsed = time.perf_counter() - start
@@ -404,6 +413,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         log.info("%s step %d/%d: %.1f ms, loss %.4f%s", variant, i + 1, total, elapsed * 1e3,
                  losses[-1], "" if i >= first_timed else " (warm-up)")
     record["wall_to_last_step_s"] = time.perf_counter() - t_start
+    record["gpu_conditions"] = conditions.stop()
     record["step_s_all"] = all_steps
     if deepcompile:
         record["replan_step_s"] = all_steps[5] if len(all_steps) > 5 else None

@@ -255,6 +255,9 @@ def test_gpu_benchmarks_smoke_on_cpu(tmp_path: Path, name: str) -> None:
         assert {k.split("@")[0] for k in ok} >= {"ours", "none"}
         for run in ok.values():
             assert run["step_ms"]["median"] > 0 and run["tokens_per_s"] > 0
+            # Sampled over the timed steps; on the CPU there is no GPU to sample, and it says so.
+            assert run["gpu_conditions"]["available"] is False
+            assert run["gpu_conditions"]["why"] == "not on a GPU"
         if cpu_deepcompile:
             dc = next(v for k, v in ok.items() if k.startswith("dc-ckpt@"))
             assert dc["graph_breaks"] == 0 and len(dc["losses"]) == 7
@@ -550,3 +553,71 @@ def test_lora_table_never_compares_across_checkpointing() -> None:
             for ln in report._lora(result) if ln.startswith("| ")}
     assert rows["dc-ckpt"] == "8.00x vs `upstream@0.19.8`"
     assert rows["dc-upstream"] == "-"
+
+
+FAKE_SMI = '''#!{python}
+# A stand-in for nvidia-smi: one GPU, "GPU-fake"; FAKE_SMI_LEGACY=1 plays a driver before 535.
+import os, sys, time
+args = sys.argv[1:]
+target = args[args.index("-i") + 1]
+if target != "GPU-fake":
+    sys.exit("No devices were found")
+if "--query-compute-apps=pid,used_memory" in args:
+    print("4242, 1024")
+    sys.exit(0)
+fields = next(a for a in args if a.startswith("--query-gpu=")).split("=", 1)[1].split(",")
+if os.environ.get("FAKE_SMI_LEGACY") and "clocks_event_reasons.active" in fields:
+    sys.exit("Field \\"clocks_event_reasons.active\\" is not a valid field to query.")
+rows = ["1980, 2619, 350.5, 45, 97, 0x0000000000000000",
+        "1500, 2619, 700.0, 80, 100, 0x0000000000000004",
+        "1980, 2619, [N/A], 46, 98, 0x0000000000000000"]
+loop = "-lms" in args
+i = 0
+while True:
+    print(", ".join(rows[i % 3].split(", ")[:len(fields)]), flush=True)
+    i += 1
+    if not loop:
+        break
+    time.sleep(0.02)
+'''
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_gpu_conditions_are_sampled_by_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  legacy: bool) -> None:
+    import time
+
+    from bench.conditions import GpuConditions
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI.format(python=sys.executable))
+    smi.chmod(0o755)
+    if legacy:
+        monkeypatch.setenv("FAKE_SMI_LEGACY", "1")
+    sampler = GpuConditions(0, interval_ms=20, smi=str(smi), target="GPU-fake")
+    sampler.start()
+    time.sleep(1.0)
+    s = sampler.stop()
+    assert s["available"] and s["samples"] >= 3 and s["device"] == "GPU-fake", s
+    assert s["sm_clock_mhz"]["min"] == 1500 and s["sm_clock_mhz"]["max"] == 1980
+    assert s["power_w"]["max"] == 700.0  # "[N/A]" samples skipped
+    assert s["temperature_c"]["max"] == 80
+    # Only the throttled samples' mask, counted; the same under the field's pre-535 name.
+    (mask, count), = s["clock_event_reasons"].items()
+    assert mask == "0x0000000000000004" and 1 <= count < s["samples"]
+    assert s["gpu_processes"] == [[4242, 1024.0]]
+    assert len(s["load_avg_1m"]) == 2
+
+
+def test_gpu_conditions_say_why_there_are_none(tmp_path: Path) -> None:
+    from bench.conditions import GpuConditions
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI.format(python=sys.executable))
+    smi.chmod(0o755)
+    for sampler, why in ((GpuConditions(None), "not on a GPU"),
+                         (GpuConditions(0, smi=str(tmp_path / "absent")), "not found"),
+                         (GpuConditions(0, smi=str(smi), target="GPU-other"), "No devices were found")):
+        sampler.start()
+        s = sampler.stop()
+        assert s["available"] is False and why in s["why"], s

@@ -1,0 +1,181 @@
+"""What the GPU and the host were doing while a benchmark's timed steps ran.
+
+On the GPU host, steady DeepCompile step times moved by up to 1.6x from one process to the next
+with identical compiled graphs (and by 1.5x within one run). :class:`GpuConditions` records
+what could explain such a move next to the step times: the GPU's SM and memory clocks, power,
+temperature, utilisation and clock-event (throttle) reasons, sampled by ``nvidia-smi`` in its
+own process (every 250 ms by default, so the training process does no extra work), the other
+processes using the GPU, and the host's 1-minute load average before and after. Without a GPU
+or without ``nvidia-smi`` the summary says why, with the load average only. Sampling never
+fails a benchmark: an error is reported in the summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["GpuConditions", "smi_targets", "FIELDS"]
+
+log = logging.getLogger("bench.conditions")
+
+# nvidia-smi --query-gpu fields and the summary key of each; the clock-event reasons field is
+# called clocks_throttle_reasons.active by drivers before 535.
+FIELDS = (("clocks.sm", "sm_clock_mhz"), ("clocks.mem", "mem_clock_mhz"),
+          ("power.draw", "power_w"), ("temperature.gpu", "temperature_c"),
+          ("utilization.gpu", "utilization_pct"))
+REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+
+
+def smi_targets(device_index: int) -> List[str]:
+    """The ``nvidia-smi -i`` arguments that may name torch's CUDA device ``device_index``, best
+    first: its UUID (an index would name another GPU under CUDA_VISIBLE_DEVICES), then its entry
+    in CUDA_VISIBLE_DEVICES, then the index itself."""
+    targets = []
+    try:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+        if uuid:
+            targets.append(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    except Exception as e:  # noqa: BLE001 - an older torch: the other candidates
+        log.debug("no UUID for cuda:%d (%s)", device_index, e)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    if device_index < len(visible) and visible[device_index].strip():
+        targets.append(visible[device_index].strip())
+    targets.append(str(device_index))
+    return list(dict.fromkeys(targets))
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:  # "[N/A]", "[Not Supported]"
+        return None
+
+
+def _stats(values: Sequence[Optional[float]]) -> Optional[Dict[str, float]]:
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    return {"min": min(known), "median": statistics.median(known), "max": max(known)}
+
+
+def _load_1m() -> Optional[float]:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+class GpuConditions:
+    """Samples one GPU with ``nvidia-smi`` between :meth:`start` and :meth:`stop`.
+    ``device_index`` None: no GPU, only the host's load is recorded; ``target``: the
+    ``nvidia-smi -i`` argument, instead of finding torch's device."""
+
+    def __init__(self, device_index: Optional[int], interval_ms: int = 250,
+                 smi: str = "nvidia-smi", target: Optional[str] = None) -> None:
+        self.device_index = device_index
+        self.interval_ms = interval_ms
+        self.smi = smi
+        self.target = target
+        self._proc: Optional[subprocess.Popen] = None
+        self._fields: List[str] = []
+        self._why: Optional[str] = None
+        self._load_before: Optional[float] = None
+        self._exe = smi
+        self._target = target or ""
+
+    def _query(self, fields: Sequence[str], target: str) -> subprocess.CompletedProcess:
+        return subprocess.run([self._exe, f"--query-gpu={','.join(fields)}",
+                               "--format=csv,noheader,nounits", "-i", target],
+                              capture_output=True, text=True, timeout=30)
+
+    def start(self) -> None:
+        """Start sampling (returns at once; the samples are taken by nvidia-smi)."""
+        self._load_before = _load_1m()
+        if self.device_index is None:
+            self._why = "not on a GPU"
+            return
+        exe = shutil.which(self.smi)
+        if exe is None:
+            self._why = f"{self.smi} not found"
+            return
+        self._exe = exe
+        try:
+            base = [f for f, _ in FIELDS]
+            tried = {}
+            for target in ([self.target] if self.target else smi_targets(self.device_index)):
+                r = self._query(base, target)
+                if r.returncode == 0:
+                    self._target = target
+                    break
+                tried[target] = (r.stderr or r.stdout).strip()[:200]
+            else:
+                self._why = f"{self.smi} cannot query the GPU: {tried}"
+                return
+            # The first reasons field this driver knows, if any.
+            reasons = next((f for f in REASONS if self._query([*base, f], self._target).returncode == 0),
+                           None)
+            self._fields = base + ([reasons] if reasons else [])
+            self._proc = subprocess.Popen(
+                [exe, f"--query-gpu={','.join(self._fields)}", "--format=csv,noheader,nounits",
+                 "-i", self._target, "-lms", str(self.interval_ms)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        except (OSError, subprocess.SubprocessError) as e:
+            self._why = f"{self.smi} failed: {e}"
+
+    def stop(self) -> Dict[str, Any]:
+        """Stop sampling; the summary: per field min/median/max over the samples, the
+        clock-event reason masks seen (mask -> samples, 0x0 left out), the GPU's compute
+        processes (pid, MiB), and the load average before and after."""
+        summary: Dict[str, Any] = {"load_avg_1m": [self._load_before, _load_1m()]}
+        if self._proc is None:
+            summary.update(available=False, why=self._why or "not started")
+            return summary
+        self._proc.terminate()
+        try:
+            out, err = self._proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, err = self._proc.communicate()
+        self._proc = None
+        rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+        rows = [r for r in rows if len(r) == len(self._fields)]
+        summary.update(available=bool(rows), samples=len(rows), interval_ms=self.interval_ms,
+                       device=self._target)
+        if not rows:
+            summary["why"] = f"no samples ({err.strip()[:200] or 'nvidia-smi printed nothing'})"
+            return summary
+        for i, (_, key) in enumerate(FIELDS):
+            summary[key] = _stats([_number(r[i]) for r in rows])
+        if len(self._fields) > len(FIELDS):
+            masks: Dict[str, int] = {}
+            for r in rows:
+                mask = r[len(FIELDS)]
+                try:
+                    if int(mask, 16) == 0:  # no reason: full clocks
+                        continue
+                except ValueError:  # "[N/A]"
+                    pass
+                masks[mask] = masks.get(mask, 0) + 1
+            summary["clock_event_reasons"] = masks
+        summary["gpu_processes"] = self._processes()
+        return summary
+
+    def _processes(self) -> Optional[List[List[Any]]]:
+        try:
+            r = subprocess.run([self._exe, "--query-compute-apps=pid,used_memory",
+                                "--format=csv,noheader,nounits", "-i", self._target],
+                               capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if r.returncode != 0:
+            return None
+        rows = [[c.strip() for c in line.split(",")] for line in r.stdout.splitlines() if line.strip()]
+        return [[int(row[0]) if row[0].isdigit() else row[0], _number(row[1])]
+                for row in rows if len(row) == 2]

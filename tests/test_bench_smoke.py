@@ -605,7 +605,7 @@ def test_gpu_conditions_are_sampled_by_nvidia_smi(tmp_path: Path, monkeypatch: p
     # Only the throttled samples' mask, counted; the same under the field's pre-535 name.
     (mask, count), = s["clock_event_reasons"].items()
     assert mask == "0x0000000000000004" and 1 <= count < s["samples"]
-    assert s["gpu_processes"] == [[4242, 1024.0]]
+    assert s["gpu_processes"] == [{"pid": 4242, "used_mib": 1024.0, "this_process": False}]
     assert len(s["load_avg_1m"]) == 2
 
 

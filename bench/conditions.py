@@ -20,6 +20,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["GpuConditions", "smi_targets", "FIELDS"]
@@ -125,10 +126,13 @@ class GpuConditions:
             reasons = next((f for f in REASONS if self._query([*base, f], self._target).returncode == 0),
                            None)
             self._fields = base + ([reasons] if reasons else [])
+            # Into files, not pipes: nobody reads while the steps run, and a full pipe would
+            # stop the sampling after some minutes.
+            self._out = tempfile.TemporaryFile("w+")
             self._proc = subprocess.Popen(
                 [exe, f"--query-gpu={','.join(self._fields)}", "--format=csv,noheader,nounits",
                  "-i", self._target, "-lms", str(self.interval_ms)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                stdout=self._out, stderr=subprocess.STDOUT, text=True)
         except (OSError, subprocess.SubprocessError) as e:
             self._why = f"{self.smi} failed: {e}"
 
@@ -143,17 +147,20 @@ class GpuConditions:
             return summary
         self._proc.terminate()
         try:
-            out, err = self._proc.communicate(timeout=10)
+            self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
-            out, err = self._proc.communicate()
+            self._proc.wait()
         self._proc = None
+        self._out.seek(0)
+        out = self._out.read()
+        self._out.close()
         rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
         rows = [r for r in rows if len(r) == len(self._fields)]
         summary.update(available=bool(rows), samples=len(rows), interval_ms=self.interval_ms,
                        device=self._target)
         if not rows:
-            summary["why"] = f"no samples ({err.strip()[:200] or 'nvidia-smi printed nothing'})"
+            summary["why"] = f"no samples ({out.strip()[:200] or 'nvidia-smi printed nothing'})"
             return summary
         for i, (_, key) in enumerate(FIELDS):
             summary[key] = _stats([_number(r[i]) for r in rows])

@@ -57,8 +57,8 @@ def arm_watchdog(seconds: float) -> None:
     The dump is taken by a Python thread holding the GIL (``sys._current_frames``), the main
     thread's stack first: no other thread runs Python code while it reads the frames.
     faulthandler's own timer, which reads the other threads' frames while they run and can crash
-    doing so (seen in CI: rc -11 before the first frame), is only the backstop for a hang that
-    never releases the GIL, ``_GIL_BACKSTOP_S`` later."""
+    doing so (twice in CI: rc -11, once before the first frame was printed), is only the
+    backstop for a hang that never releases the GIL, ``_GIL_BACKSTOP_S`` later."""
     global _WATCHDOG_OUT
     _WATCHDOG_OUT = os.fdopen(os.dup(sys.stderr.fileno()), "w")
     faulthandler.dump_traceback_later(seconds + _GIL_BACKSTOP_S, exit=True, file=_WATCHDOG_OUT)
@@ -68,17 +68,18 @@ def arm_watchdog(seconds: float) -> None:
 
 def _watchdog(seconds: float, out: Any) -> None:
     time.sleep(seconds)
-    frames = sys._current_frames()
     me, main = threading.get_ident(), threading.main_thread().ident
-    # faulthandler's format (header, then per thread the newest frame first, at most 100), so
-    # readers of either dump parse both.
+    # Every stack first, without reading source files (no I/O, so the GIL is not let go
+    # between threads and the stacks are one snapshot), newest frame first, at most 100.
+    stacks = {ident: traceback.StackSummary.extract(traceback.walk_stack(frame), limit=100,
+                                                    lookup_lines=False)
+              for ident, frame in sys._current_frames().items() if ident != me}
+    # faulthandler's format (a header, then each thread's frames), so readers of either dump
+    # parse both.
     lines = [f"Timeout ({datetime.timedelta(seconds=round(seconds))})!"]
-    for ident in sorted(frames, key=lambda i: i != main):
-        if ident == me:
-            continue
+    for ident in sorted(stacks, key=lambda i: i != main):
         lines.append(f"Thread 0x{ident:016x} (most recent call first):")
-        stack = traceback.extract_stack(frames[ident])[::-1][:100]
-        lines += [f'  File "{f.filename}", line {f.lineno} in {f.name}' for f in stack]
+        lines += [f'  File "{f.filename}", line {f.lineno} in {f.name}' for f in stacks[ident]]
         lines.append("")
     out.write("\n".join(lines) + "\n")
     out.flush()

@@ -387,33 +387,37 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                          "steps after it are the timed ones")
     total = args.dc_steps if deepcompile else args.warmup + args.steps
     first_timed = 6 if deepcompile else args.warmup  # DeepCompile re-plans at its 6th step
+    # GPU clocks, throttling and neighbours over the timed steps; its queries before the clock.
+    conditions = GpuConditions(device.index if on_gpu else None)
+    conditions.prepare()
     t_start = time.perf_counter()
     compiled_before = compile_seconds() if deepcompile else {}
     if deepcompile:
         engine.compile()
     times, losses, all_steps = [], [], []
     compile_marks: Dict[str, Dict[str, float]] = {}
-    conditions = GpuConditions(device.index if on_gpu else None)
-    for i in range(total):
-        if i == first_timed:
-            if on_gpu:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            conditions.start()  # GPU clocks, throttling, neighbours over the timed steps
-        start = time.perf_counter()
-        losses.append(step())
-        elapsed = time.perf_counter() - start
-        all_steps.append(elapsed)
-        if i == 0:
-            record["compile_to_first_step_s"] = time.perf_counter() - t_start
-        if deepcompile and i in (0, 4, 5):  # the first step, the re-plan's (the 6th) either side
-            compile_marks[str(i)] = compile_seconds()
-        if i >= first_timed:
-            times.append(elapsed * 1e3)
-        log.info("%s step %d/%d: %.1f ms, loss %.4f%s", variant, i + 1, total, elapsed * 1e3,
-                 losses[-1], "" if i >= first_timed else " (warm-up)")
-    record["wall_to_last_step_s"] = time.perf_counter() - t_start
-    record["gpu_conditions"] = conditions.stop()
+    try:
+        for i in range(total):
+            if i == first_timed:
+                if on_gpu:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                conditions.start()
+            start = time.perf_counter()
+            losses.append(step())
+            elapsed = time.perf_counter() - start
+            all_steps.append(elapsed)
+            if i == 0:
+                record["compile_to_first_step_s"] = time.perf_counter() - t_start
+            if deepcompile and i in (0, 4, 5):  # the first step, the re-plan's (6th) either side
+                compile_marks[str(i)] = compile_seconds()
+            if i >= first_timed:
+                times.append(elapsed * 1e3)
+            log.info("%s step %d/%d: %.1f ms, loss %.4f%s", variant, i + 1, total,
+                     elapsed * 1e3, losses[-1], "" if i >= first_timed else " (warm-up)")
+        record["wall_to_last_step_s"] = time.perf_counter() - t_start
+    finally:  # a failed step too: no sampler left running
+        record["gpu_conditions"] = conditions.stop()
     record["step_s_all"] = all_steps
     if deepcompile:
         record["replan_step_s"] = all_steps[5] if len(all_steps) > 5 else None

@@ -196,7 +196,7 @@ _LORA_ORDER = ("plain", "none", "upstream", "reentrant", "ours", "dc", "dc-warm"
 _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "upstream": "eager ZeRO-3, DeepSpeed's own", "reentrant": "eager ZeRO-3",
               "ours": "eager ZeRO-3 + ds_z3native holds", "dc": "DeepCompile + ds_z3native",
-              "dc-warm": "DeepCompile + ds_z3native, inductor cache warm from `dc`",
+              "dc-warm": "DeepCompile + ds_z3native, inductor cache and profile store warm from `dc`",
               "dc-ckpt": "DeepCompile + ds_z3native",
               "dc-ckpt-lowmem": "DeepCompile + ds_z3native, persistence budget 0",
               "dc-ckpt-lean": "DeepCompile + ds_z3native, persistence and prefetch budgets 0",

@@ -630,6 +630,15 @@ def _lora_merge(cmds: Sequence[Command], ctx: BenchContext, script: str) -> Dict
                             + ", ".join(ctx.variants) + ".").strip()
         merged.parent.mkdir(parents=True, exist_ok=True)
         merged.write_text(json.dumps(previous))
+    elif not ctx.smoke and existing.exists():
+        # A full run: a fresh table, no footnote yet; the file's runs, with what they had
+        # replaced and their footnote, move to its history (no measured number is lost).
+        previous = json.loads(existing.read_text())
+        history = {"replaced": [*previous.get("replaced", []), *previous.get("runs", {}).values()],
+                   "replaced_notes": [*previous.get("replaced_notes", []),
+                                      *([previous["note"]] if previous.get("note") else [])]}
+        merged.parent.mkdir(parents=True, exist_ok=True)
+        merged.write_text(json.dumps({"bench": previous.get("bench"), "runs": {}, **history}))
     if inputs:
         code = run_command(Command([sys.executable, script, "merge", *inputs, "--output",
                                     str(merged)], label="lora_llama merge"),

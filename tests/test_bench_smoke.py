@@ -417,9 +417,21 @@ def test_some_lora_variants_rerun_into_the_existing_result(tmp_path: Path) -> No
     assert result["note"].startswith("Measured on day one. Re-run ") and result["note"].endswith(
         "upstream, dc-ckpt.")
     # A variant re-run alone has no baseline of its own run: no ratio rather than a cross-run one.
-    runs = rerun("day-three", ["dc-ckpt"], [120.0])["runs"]
+    result = rerun("day-three", ["dc-ckpt"], [120.0])
+    runs = result["runs"]
     assert "vs" not in runs["dc-ckpt@0.19.8"] and runs["dc-ckpt@0.19.8"]["ratio"] is None
     assert runs["dc@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(4.0)
+    assert [(r["variant"], r["run"]) for r in result["replaced"]] == [
+        ("upstream", "day-one"), ("dc-ckpt", "day-two")]  # what day two and day three replaced
+    # A full run (no --variants) starts a fresh table; every earlier run and footnote is kept.
+    ctx = BenchContext(output_dir=results, work_root=tmp_path / "day-four", run_id="day-four")
+    result = _lora_merge([Command(["true"], label="lora_llama upstream@0.19.8",
+                                  output=record("upstream", 900.0, "day-four"))], ctx, script)
+    assert list(result["runs"]) == ["upstream@0.19.8"] and "note" not in result
+    assert sorted((r["variant"], r["run"]) for r in result["replaced"]) == [
+        ("dc", "day-one"), ("dc-ckpt", "day-three"), ("dc-ckpt", "day-two"),
+        ("upstream", "day-one"), ("upstream", "day-two")]
+    assert result["replaced_notes"] == [json.loads(existing.read_text())["note"]]
     block = report.render_block(report.load_results(results))
     rows = {ln.split("|")[1].strip(): ln for ln in block.splitlines() if ln.startswith("| dc")}
     assert "4.00x vs `upstream` of its run (1200.0 ms)" in rows["dc"]

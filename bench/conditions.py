@@ -64,6 +64,11 @@ def _number(text: str) -> Optional[float]:
         return None
 
 
+def _csv_rows(text: str) -> List[List[str]]:
+    """nvidia-smi's ``--format=csv,noheader`` output as rows of stripped cells."""
+    return [[c.strip() for c in line.split(",")] for line in text.splitlines() if line.strip()]
+
+
 def _stats(values: Sequence[Optional[float]]) -> Optional[Dict[str, float]]:
     known = [v for v in values if v is not None]
     if not known:
@@ -101,9 +106,12 @@ class GpuConditions:
         self._exe = smi
         self._target = target or ""
 
-    def _run(self, args: Sequence[str]) -> subprocess.CompletedProcess:
-        return subprocess.run([self._exe, *args, "--format=csv,noheader,nounits", "-i", self._target],
-                              capture_output=True, text=True, timeout=30)
+    def _argv(self, *args: str) -> List[str]:
+        """An nvidia-smi command line for this GPU: ``args``, CSV without header or units."""
+        return [self._exe, *args, "--format=csv,noheader,nounits", "-i", self._target]
+
+    def _run(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(self._argv(*args), capture_output=True, text=True, timeout=30)
 
     def prepare(self) -> None:
         """Find the GPU and the fields to sample (or why there is nothing to sample)."""
@@ -123,7 +131,7 @@ class GpuConditions:
             tried = {}
             for target in ([self.target] if self.target else smi_targets(self.device_index)):
                 self._target = target
-                r = self._run([f"--query-gpu={','.join(base)}"])
+                r = self._run(f"--query-gpu={','.join(base)}")
                 if r.returncode == 0:
                     break
                 tried[target] = (r.stderr or r.stdout).strip()[:200]
@@ -132,7 +140,7 @@ class GpuConditions:
                 return
             # The first reasons field this driver knows, if any.
             reasons = next((f for f in REASONS
-                            if self._run([f"--query-gpu={','.join([*base, f])}"]).returncode == 0),
+                            if self._run(f"--query-gpu={','.join([*base, f])}").returncode == 0),
                            None)
             self._fields = base + ([reasons] if reasons else [])
         except (OSError, subprocess.SubprocessError) as e:
@@ -150,8 +158,7 @@ class GpuConditions:
             # stop the sampling after some minutes.
             self._out = tempfile.TemporaryFile("w+")
             self._proc = subprocess.Popen(
-                [self._exe, f"--query-gpu={','.join(self._fields)}", "--format=csv,noheader,nounits",
-                 "-i", self._target, "-lms", str(self.interval_ms)],
+                self._argv(f"--query-gpu={','.join(self._fields)}", "-lms", str(self.interval_ms)),
                 stdout=self._out, stderr=subprocess.STDOUT, text=True)
         except (OSError, subprocess.SubprocessError) as e:
             self._why = f"{self.smi} failed: {e}"
@@ -197,8 +204,7 @@ class GpuConditions:
         return summary
 
     def _summarise(self, out: str) -> Dict[str, Any]:
-        rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
-        rows = [r for r in rows if len(r) == len(self._fields)]
+        rows = [r for r in _csv_rows(out) if len(r) == len(self._fields)]
         summary: Dict[str, Any] = {"available": bool(rows), "samples": len(rows),
                                    "interval_ms": self.interval_ms, "device": self._target}
         if not rows:
@@ -210,7 +216,7 @@ class GpuConditions:
             masks: Dict[str, int] = {}
             for r in rows:
                 mask = r[len(FIELDS)]
-                if re.fullmatch(r"0x[0-9a-fA-F]+", mask) and int(mask, 16) == 0:
+                if re.fullmatch(r"0x0+", mask):
                     continue  # no reason: full clocks
                 if re.fullmatch(r"0x[0-9a-fA-F]+|\[N/A\]", mask):  # not a cut-off line
                     masks[mask] = masks.get(mask, 0) + 1
@@ -219,12 +225,11 @@ class GpuConditions:
 
     def _processes(self) -> Optional[List[Dict[str, Any]]]:
         try:
-            r = self._run(["--query-compute-apps=pid,used_memory"])
+            r = self._run("--query-compute-apps=pid,used_memory")
         except (OSError, subprocess.SubprocessError):
             return None
         if r.returncode != 0:
             return None
-        rows = [[c.strip() for c in line.split(",")] for line in r.stdout.splitlines() if line.strip()]
         return [{"pid": int(row[0]) if row[0].isdigit() else row[0], "used_mib": _number(row[1]),
                  "this_process": row[0] == str(os.getpid())}
-                for row in rows if len(row) == 2]
+                for row in _csv_rows(r.stdout) if len(row) == 2]

@@ -622,23 +622,23 @@ def _lora_merge(cmds: Sequence[Command], ctx: BenchContext, script: str) -> Dict
     from bench.lora_llama import bench_name  # the result's name per world size, as merge gives it
 
     existing = ctx.output_dir / f"{bench_name(ctx.ranks or 1)}.json"
-    if ctx.variants and existing.exists():
-        # Some variants re-run: the file's other runs stay, its footnote says what changed.
+    if existing.exists() and (ctx.variants or not ctx.smoke):
         previous = json.loads(existing.read_text())
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-        previous["note"] = (str(previous.get("note", "")).rstrip() + f" Re-run {stamp}: "
-                            + ", ".join(ctx.variants) + ".").strip()
+        if ctx.variants:
+            # Some variants re-run: the file's other runs stay, its footnote says what changed.
+            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+            previous["note"] = (str(previous.get("note", "")).rstrip() + f" Re-run {stamp}: "
+                                + ", ".join(ctx.variants) + ".").strip()
+            seed = previous
+        else:
+            # A full run: a fresh table, no footnote yet; the file's runs, with what they had
+            # replaced and their footnote, move to its history (no measured number is lost).
+            seed = {"bench": previous.get("bench"), "runs": {},
+                    "replaced": [*previous.get("replaced", []), *previous.get("runs", {}).values()],
+                    "replaced_notes": [*previous.get("replaced_notes", []),
+                                       *([previous["note"]] if previous.get("note") else [])]}
         merged.parent.mkdir(parents=True, exist_ok=True)
-        merged.write_text(json.dumps(previous))
-    elif not ctx.smoke and existing.exists():
-        # A full run: a fresh table, no footnote yet; the file's runs, with what they had
-        # replaced and their footnote, move to its history (no measured number is lost).
-        previous = json.loads(existing.read_text())
-        history = {"replaced": [*previous.get("replaced", []), *previous.get("runs", {}).values()],
-                   "replaced_notes": [*previous.get("replaced_notes", []),
-                                      *([previous["note"]] if previous.get("note") else [])]}
-        merged.parent.mkdir(parents=True, exist_ok=True)
-        merged.write_text(json.dumps({"bench": previous.get("bench"), "runs": {}, **history}))
+        merged.write_text(json.dumps(seed))
     if inputs:
         code = run_command(Command([sys.executable, script, "merge", *inputs, "--output",
                                     str(merged)], label="lora_llama merge"),

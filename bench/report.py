@@ -222,6 +222,13 @@ def _lora_speedup(r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -
             + (f", peak {peak:.2f}x" if isinstance(peak, (int, float)) else ""))
 
 
+def _lora_order(key: str, run: Mapping[str, Any]) -> Any:
+    """Sort key of a LoRA run: its variant's place in the table, then its DeepSpeed version."""
+    v = run_variant(key, run)
+    return (_LORA_ORDER.index(v) if v in _LORA_ORDER else len(_LORA_ORDER), v,
+            run_deepspeed(key, run) or "")
+
+
 def _lora(result: Mapping[str, Any]) -> List[str]:
     runs = result["runs"]
     first = next((r for r in runs.values() if r.get("setup")), {})
@@ -229,15 +236,10 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
     model = s.get("model") or {}
     rows = []
 
-    def order(k: str) -> Any:
-        v = run_variant(k, runs[k])
-        return (_LORA_ORDER.index(v) if v in _LORA_ORDER else len(_LORA_ORDER), v,
-                run_deepspeed(k, runs[k]) or "")
-
     # The file's baseline is a fallback only for rows that checkpoint as it does (a run without
     # checkpointing is not measured against one with it).
     baseline_ckpt = (runs.get(str(result.get("baseline")), {}).get("setup") or {}).get("checkpointing")
-    for key in sorted(runs, key=order):
+    for key in sorted(runs, key=lambda k: _lora_order(k, runs[k])):
         r = runs[key]
         variant = run_variant(key, r)
         setup = r.get("setup") or {}
@@ -336,10 +338,13 @@ def _plot_rows(results: Mapping[str, Mapping[str, Any]]
         runs = results[name]["runs"]
         metric, label = (("first_step_s", "s to end of first step")
                          if name == "deepcompile_first_step" else ("step_ms", "ms / step"))
-        times = [(k, v) for k, r in sorted(runs.items()) if run_ok(r)
-                 for v in [metric_value(r, metric)] if v is not None]
-        peaks = [(k, v) for k, r in sorted(runs.items()) if run_ok(r)
-                 for v in [metric_value(r, "peak_gib")] if v is not None]
+        # LoRA bars in the table's row order (eager first, then DeepCompile); others by name.
+        keys = (sorted(runs, key=lambda k: _lora_order(k, runs[k]))
+                if _FORMATTERS.get(_family(name)) is _lora else sorted(runs))
+        times = [(k, v) for k in keys if run_ok(runs[k])
+                 for v in [metric_value(runs[k], metric)] if v is not None]
+        peaks = [(k, v) for k in keys if run_ok(runs[k])
+                 for v in [metric_value(runs[k], "peak_gib")] if v is not None]
         if times or peaks:
             rows.append((name, label, times, peaks))
     return rows

@@ -193,6 +193,17 @@ def test_plot_or_a_clear_message(tmp_path: Path, caplog: pytest.LogCaptureFixtur
         assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_orders_lora_bars_as_the_table_rows() -> None:
+    ok = {"status": "ok", "step_ms": {"median": 1.0}, "peak_gib": 1.0}
+    keys = ["dc@0.19.8", "upstream@0.19.8", "ours@0.19.2", "plain@0.19.8", "ours@0.19.8"]
+    results = {"lora_llama": {"runs": {k: dict(ok) for k in keys}},
+               "native_micro": {"runs": {"ours": dict(ok), "deepspeed": dict(ok)}}}
+    rows = {name: [k for k, _ in times] for name, _, times, _ in report._plot_rows(results)}
+    assert rows["lora_llama"] == ["plain@0.19.8", "upstream@0.19.8", "ours@0.19.2",
+                                  "ours@0.19.8", "dc@0.19.8"]
+    assert rows["native_micro"] == ["deepspeed", "ours"]  # not a LoRA table: by name
+
+
 @pytest.mark.parametrize("cmd", [[sys.executable, "-m", "bench"],
                                  [sys.executable, "-m", "ds_z3native", "bench"]])
 def test_bench_help(cmd: list, tmp_path: Path) -> None:

@@ -222,11 +222,13 @@ def _lora_speedup(r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -
             + (f", peak {peak:.2f}x" if isinstance(peak, (int, float)) else ""))
 
 
-def _lora_order(key: str, run: Mapping[str, Any]) -> Any:
-    """Sort key of a LoRA run: its variant's place in the table, then its DeepSpeed version."""
-    v = run_variant(key, run)
-    return (_LORA_ORDER.index(v) if v in _LORA_ORDER else len(_LORA_ORDER), v,
-            run_deepspeed(key, run) or "")
+def _lora_keys(runs: Mapping[str, Mapping[str, Any]]) -> List[str]:
+    """The keys of LoRA runs in the table's row order: variant, then DeepSpeed version."""
+    def order(key: str) -> Any:
+        v = run_variant(key, runs[key])
+        return (_LORA_ORDER.index(v) if v in _LORA_ORDER else len(_LORA_ORDER), v,
+                run_deepspeed(key, runs[key]) or "")
+    return sorted(runs, key=order)
 
 
 def _lora(result: Mapping[str, Any]) -> List[str]:
@@ -239,7 +241,7 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
     # The file's baseline is a fallback only for rows that checkpoint as it does (a run without
     # checkpointing is not measured against one with it).
     baseline_ckpt = (runs.get(str(result.get("baseline")), {}).get("setup") or {}).get("checkpointing")
-    for key in sorted(runs, key=lambda k: _lora_order(k, runs[k])):
+    for key in _lora_keys(runs):
         r = runs[key]
         variant = run_variant(key, r)
         setup = r.get("setup") or {}
@@ -339,8 +341,7 @@ def _plot_rows(results: Mapping[str, Mapping[str, Any]]
         metric, label = (("first_step_s", "s to end of first step")
                          if name == "deepcompile_first_step" else ("step_ms", "ms / step"))
         # LoRA bars in the table's row order (eager first, then DeepCompile); others by name.
-        keys = (sorted(runs, key=lambda k: _lora_order(k, runs[k]))
-                if _FORMATTERS.get(_family(name)) is _lora else sorted(runs))
+        keys = _lora_keys(runs) if _FORMATTERS.get(_family(name)) is _lora else sorted(runs)
         times = [(k, v) for k in keys if run_ok(runs[k])
                  for v in [metric_value(runs[k], metric)] if v is not None]
         peaks = [(k, v) for k in keys if run_ok(runs[k])

@@ -220,9 +220,13 @@ def test_a_graph_the_runtime_cannot_alias_keeps_deepspeeds_id(caplog) -> None:  
 
 @pytest.mark.deepspeed
 def test_deepspeeds_aot_wiring_hands_inductor_canonical_ids() -> None:
-    # Through DeepSpeed's own call site: _patch_deepcompile_aot_kwargs builds the forward,
-    # backward and inference compilers with the module's (patched) patch_compiler.
+    # Through DeepSpeed's own call site: patch_create_aot_dispatcher_function makes AotAutograd's
+    # constructor build the forward, backward and inference compilers with the module's
+    # (patched) patch_compiler (0.19.1+ through _patch_deepcompile_aot_kwargs, 0.19.0 inline).
+    from torch._dynamo.backends.common import AotAutograd
+
     inductor = importlib.import_module(gid.INDUCTOR_MODULE)
+    original_init = AotAutograd.__init__
     undo = gid.patch_canonical_graph_ids()
     seen = []
 
@@ -231,20 +235,22 @@ def test_deepspeeds_aot_wiring_hands_inductor_canonical_ids() -> None:
         return gm
 
     try:
-        kwargs = {"fw_compiler": inductor_stand_in, "bw_compiler": inductor_stand_in,
-                  "partition_fn": lambda *a, **k: None}
         with live_runtime(group=local_group()) as m:
             m.register_z3_param(1, [2], torch.randn(2), torch.zeros(2), False)
             m.register_graph_z3(DS_GRAPH, [1])
-            assert inductor._patch_deepcompile_aot_kwargs(
-                kwargs, graph_id=DS_GRAPH, z3_partition=False,
-                make_fw_graph=lambda gm, inputs: gm.graph, make_bw_graph=lambda gm, inputs: gm.graph,
-                real_inputs=[], param_indices=[], param_manager={}, frame_id=0,
-                frames_partitioned=set()) is True
+            inductor.patch_create_aot_dispatcher_function(
+                DS_GRAPH, False, lambda gm, inputs: gm.graph, lambda gm, inputs: gm.graph, [], [],
+                {}, 0, set())
+            kwargs = AotAutograd(fw_compiler=inductor_stand_in, bw_compiler=inductor_stand_in,
+                                 partition_fn=lambda *a, **k: None).kwargs
+            assert kwargs["fw_compiler"] is not inductor_stand_in
             kwargs["fw_compiler"](_dc_graph(DS_GRAPH), [])
             kwargs["bw_compiler"](_dc_graph(DS_GRAPH), [])
             assert m.graph_aliases() == {-1: DS_GRAPH}
     finally:
+        AotAutograd.__init__ = original_init  # DeepSpeed's constructor patch is process-wide
+        if "__original_init" in vars(AotAutograd):
+            delattr(AotAutograd, "__original_init")
         undo()
     assert seen == [{-1}, {-1}]
 

@@ -357,7 +357,10 @@ def schema_compatible(theirs: str, ours: str) -> Optional[str]:
     """None if a caller of schema ``theirs`` can use ``ours``; otherwise why not.
 
     Names, types, alias annotations and returns must be equal; ours may give an argument a default
-    that theirs lacks (both call forms then work), but must keep any default theirs has.
+    that theirs lacks (both call forms then work), but must keep any default theirs has. Ours may
+    also end with arguments theirs lacks if each has a default: a call made to theirs binds
+    (DeepSpeed 0.19.0 - 0.19.1's ``end_backward(deps, graph_id)`` against ours with
+    ``release_reduce_buckets=True``).
     """
     import torch
 
@@ -372,8 +375,12 @@ def schema_compatible(theirs: str, ours: str) -> Optional[str]:
         return () if info is None else (tuple(sorted(info.before_set)), tuple(sorted(info.after_set)),
                                         info.is_write)
 
-    if len(t.arguments) != len(o.arguments):
+    if len(t.arguments) > len(o.arguments):
         return f"{len(t.arguments)} arguments, ours has {len(o.arguments)}"
+    for extra in o.arguments[len(t.arguments):]:
+        if not extra.has_default_value():
+            return (f"{len(t.arguments)} arguments, ours has {len(o.arguments)} and "
+                    f"'{extra.type} {extra.name}' has no default")
     for i, (ta, oa) in enumerate(zip(t.arguments, o.arguments)):
         if (ta.name, str(ta.type), ta.kwarg_only, alias(ta)) != (oa.name, str(oa.type), oa.kwarg_only, alias(oa)):
             return f"argument {i} is '{ta.type} {ta.name}', ours is '{oa.type} {oa.name}'"

@@ -1,10 +1,13 @@
 """Build of ds_z3native: the native extension ds_z3native._C plus the Python package.
 
-The flavour is chosen here, once, at install time (never at run time):
-  * CUDA (NCCL collectives, CUDA streams) when torch was built with CUDA and CUDA_HOME exists,
-  * CPU (c10d/gloo collectives, host streams) otherwise.
-DS_Z3NATIVE_CUDA=0|1 overrides the choice; DEBUG=1 builds with -O0 -g.
-Build against the torch you run with:  pip install --no-build-isolation -e .
+The flavour is chosen here, once, at install time (never at run time), by
+build_support/cuda_discovery.py:
+  * CUDA (NCCL collectives, CUDA streams) when torch was built with CUDA and the CUDA runtime's
+    headers and NCCL are found: a CUDA toolkit whose include/cuda_runtime_api.h is really there,
+    else the nvidia-* wheels torch's CUDA wheel installed (the sources are C++ only: no nvcc),
+  * CPU (c10d/gloo collectives, host streams) otherwise, with one line saying why.
+DS_Z3NATIVE_CUDA=0|1 overrides the choice; NCCL_HOME names NCCL; DEBUG=1 builds with -O0 -g.
+Build against the torch you run with:  pip install --no-build-isolation -v -e .
 """
 
 import glob
@@ -26,38 +29,35 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
 
 
-def want_cuda() -> bool:
-    flag = os.environ.get("DS_Z3NATIVE_CUDA")
-    if flag is not None:
-        if flag not in ("0", "1"):
-            sys.exit(f"DS_Z3NATIVE_CUDA must be 0 or 1, got {flag!r}")
-        if flag == "1" and not (torch.version.cuda and cpp_extension.CUDA_HOME):
-            sys.exit("DS_Z3NATIVE_CUDA=1 but torch has no CUDA or CUDA_HOME is not set "
-                     f"(torch.version.cuda={torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME})")
-        return flag == "1"
-    return bool(torch.version.cuda and cpp_extension.CUDA_HOME)
+def _load_cuda_discovery():
+    """build_support/cuda_discovery.py, imported by path (it is not part of the package)."""
+    import importlib.util
+
+    path = os.path.join(HERE, "build_support", "cuda_discovery.py")
+    spec = importlib.util.spec_from_file_location("_dsz_cuda_discovery", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
 
 
-def find_nccl():
-    """Include and library dirs of NCCL: $NCCL_HOME, the nvidia-nccl wheel torch uses, CUDA_HOME."""
-    roots = [os.environ.get("NCCL_HOME")]
+def site_dirs():
+    """Where pip put torch's nvidia-* wheels: beside torch first, then every sys.path entry."""
+    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))]
+    dirs += [p for p in sys.path if p and os.path.isdir(p)]
+    return list(dict.fromkeys(dirs))
+
+
+def build_plan():
+    discovery = _load_cuda_discovery()
     try:
-        import nvidia.nccl  # the wheel torch's CUDA builds depend on
+        return discovery.plan_build(torch.__version__, torch.version.cuda, os.environ,
+                                    site_dirs())
+    except discovery.DiscoveryError as e:
+        sys.exit(str(e))
 
-        roots += list(nvidia.nccl.__path__)
-    except ImportError:
-        pass
-    roots += [cpp_extension.CUDA_HOME, "/usr", "/usr/local"]
-    for root in filter(None, roots):
-        inc = os.path.join(root, "include")
-        if os.path.exists(os.path.join(inc, "nccl.h")):
-            for lib in ("lib", "lib64", "lib/x86_64-linux-gnu"):
-                libdir = os.path.join(root, lib)
-                found = sorted(glob.glob(os.path.join(libdir, "libnccl.so*")))
-                if found:
-                    return inc, libdir, os.path.basename(found[0])
-    sys.exit("CUDA build: nccl.h / libnccl.so not found; set NCCL_HOME or build the CPU flavour "
-             "with DS_Z3NATIVE_CUDA=0")
+
+PLAN = build_plan()
 
 
 def shared_libstdcxx_args():
@@ -82,7 +82,18 @@ def shared_libstdcxx_args():
 
 
 class BuildExt(cpp_extension.BuildExtension):
-    """BuildExtension that refuses an extension carrying its own (static) copy of libstdc++."""
+    """BuildExtension that says which flavour it builds and why (pip shows it with -v), and
+    refuses an extension carrying its own (static) copy of libstdc++."""
+
+    def build_extensions(self):
+        if PLAN.warning:
+            print(f"WARNING: {PLAN.message}", file=sys.stderr, flush=True)
+        else:
+            print(PLAN.message, file=sys.stderr, flush=True)
+        print(f"ds_z3native: building ds_z3native._C ({PLAN.flavour.upper()} flavour, "
+              f"{os.environ.get('MAX_JOBS')} jobs); this takes a few minutes (about 6 on 2 cores)",
+              file=sys.stderr, flush=True)
+        super().build_extensions()
 
     def build_extension(self, ext):
         super().build_extension(ext)
@@ -100,16 +111,19 @@ class BuildExt(cpp_extension.BuildExtension):
 
 
 def extension():
-    cuda = want_cuda()
+    cuda = PLAN.flavour == "cuda"
     sources = sorted(
         glob.glob(os.path.join("csrc", "core", "*.cpp"))
         + ["csrc/comm/c10d_collectives.cpp", "csrc/device/host_device.cpp", "csrc/runtime.cpp",
            "csrc/backends.cpp", "csrc/bindings.cpp", "csrc/ops/schema.cpp", "csrc/ops/kernels.cpp",
            "csrc/ops/register_cpu.cpp", "csrc/ops/register_meta.cpp"])
     arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if cuda else ""
+    # Macro values travel unquoted through ninja's command lines: no spaces in them.
     macros = [
         ("DSZ_TORCH_VERSION", f'"{torch.__version__}"'),
         ("DSZ_ARCH_LIST", f'"{arch_list}"'),
+        ("DSZ_CUDA_SOURCE", f'"{PLAN.runtime.kind if cuda else ""}"'),
+        ("DSZ_CPU_REASON", f'"{PLAN.cpu_reason}"'),
     ]
     debug = os.environ.get("DEBUG") == "1"
     cxx = ["-O0", "-g"] if debug else ["-O2", "-DNDEBUG"]
@@ -118,15 +132,20 @@ def extension():
                   extra_link_args=shared_libstdcxx_args())
     if not cuda:
         return cpp_extension.CppExtension("ds_z3native._C", sources, define_macros=macros, **kwargs)
+    # CppExtension with the runtime and NCCL named explicitly: what CUDAExtension adds for C++
+    # sources (CUDA include/lib dirs, cudart, c10_cuda, torch_cuda), but from the verified
+    # toolkit or the wheels instead of torch's guessed CUDA_HOME, and without nvcc.
+    runtime, nccl = PLAN.runtime, PLAN.nccl
     sources += ["csrc/comm/nccl_collectives.cpp", "csrc/device/cuda_device.cpp",
                 "csrc/ops/register_cuda.cpp"]
-    nccl_inc, nccl_lib, nccl_so = find_nccl()
     macros.append(("DSZ_WITH_CUDA", None))
-    kwargs["include_dirs"].append(nccl_inc)
-    kwargs["extra_compile_args"]["nvcc"] = ["-O2"]
-    kwargs["extra_link_args"] += [f"-l:{nccl_so}", f"-Wl,-rpath,{nccl_lib}"]
-    return cpp_extension.CUDAExtension(
-        "ds_z3native._C", sources, define_macros=macros, library_dirs=[nccl_lib], **kwargs)
+    kwargs["include_dirs"] += [runtime.include_dir, nccl.include_dir]
+    libdirs = list(dict.fromkeys([runtime.library_dir, nccl.library_dir]))
+    kwargs["extra_link_args"] += [f"-l:{runtime.library}", f"-l:{nccl.library}"]
+    kwargs["extra_link_args"] += [f"-Wl,-rpath,{d}" for d in libdirs]
+    return cpp_extension.CppExtension(
+        "ds_z3native._C", sources, define_macros=macros, library_dirs=libdirs,
+        libraries=["c10_cuda", "torch_cuda"], **kwargs)
 
 
 def autoload_pth():

@@ -26,6 +26,14 @@
 #ifndef DSZ_TORCH_VERSION
 #define DSZ_TORCH_VERSION ""
 #endif
+// Set by setup.py: where the CUDA runtime came from ("toolkit" or "wheels"), and for a CPU
+// build why it has no CUDA (a key of build_support/cuda_discovery.py's CPU_REASONS).
+#ifndef DSZ_CUDA_SOURCE
+#define DSZ_CUDA_SOURCE ""
+#endif
+#ifndef DSZ_CPU_REASON
+#define DSZ_CPU_REASON ""
+#endif
 
 namespace py = pybind11;
 using dsz::Runtime;
@@ -113,6 +121,10 @@ py::dict buildInfo()
     d["torch_version"] = std::string(DSZ_TORCH_VERSION);
     d["torch_api"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
     d["arch_list"] = std::string(DSZ_ARCH_LIST);
+    const std::string cuda_source(DSZ_CUDA_SOURCE);
+    const std::string cpu_reason(DSZ_CPU_REASON);
+    d["cuda_source"] = cuda_source.empty() ? py::object(py::none()) : py::object(py::str(cuda_source));
+    d["cpu_reason"] = cpu_reason.empty() ? py::object(py::none()) : py::object(py::str(cpu_reason));
 #ifdef DSZ_WITH_CUDA
     d["cuda_version"] = std::to_string(CUDART_VERSION / 1000) + "." +
                         std::to_string((CUDART_VERSION % 1000) / 10);

@@ -132,3 +132,26 @@ def test_ds_z3native_set_without_the_startup_hook_fails() -> None:
     assert lines[fail[0] + 1].strip().startswith("-> "), lines[fail[0] + 1]
     assert "ds_z3native.install()" in lines[fail[0] + 1]
     assert lines[-1].endswith("NOT ready: fix the FAIL lines above"), lines[-1]
+
+
+def test_the_native_check_reports_how_this_build_got_its_flavour() -> None:
+    """The build info names where the CUDA runtime came from, or why the build has none; on a
+    CPU torch a CPU build is no warning, on a CUDA torch it is a WARN naming the reason."""
+    import torch
+
+    import ds_z3native
+    from ds_z3native.doctor import _check_native
+
+    info = ds_z3native.build_info()
+    assert {"cuda_source", "cpu_reason"} <= set(info), info
+    if info["flavour"] == "cuda":
+        assert info["cuda_source"] in ("toolkit", "wheels") and info["cpu_reason"] is None
+    else:
+        assert info["cuda_source"] is None
+        assert info["cpu_reason"] in ("cpu-torch", "forced", "no-cuda-runtime", "no-nccl")
+    check = _check_native({})
+    if info["flavour"] == "cpu" and torch.version.cuda:
+        assert check.status == "WARN" and "without CUDA" in check.detail, check
+        assert "refused at init()" in check.detail and "-v -e ." in check.fix
+    elif info["torch_matches_build"]:
+        assert check.status == "PASS", check

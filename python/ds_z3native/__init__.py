@@ -38,7 +38,9 @@ def native() -> ModuleType:
 
 def build_info() -> Dict[str, Any]:
     """Flavour (``cpu``/``cuda``), the torch, CUDA and NCCL versions and arch list of the build,
-    and whether the running torch matches the one it was built against."""
+    where its CUDA runtime came from (``cuda_source``: ``toolkit`` or ``wheels``) or why it has
+    none (``cpu_reason``, e.g. ``cpu-torch``, ``no-cuda-runtime``), and whether the running torch
+    matches the one it was built against."""
     info = dict(load().build_info())
     info["runtime_torch_version"] = torch.__version__
     info["torch_matches_build"] = info["torch_version"] == torch.__version__

@@ -285,8 +285,9 @@ def _resolve(opts: DemoOptions) -> tuple:
         if build_info()["flavour"] != "cuda":
             raise DemoRefused("--deepcompile on GPUs runs ds_z3native's dc op over NCCL, but this "
                               "ds_z3native was built without CUDA (CPU flavour): reinstall it "
-                              "where torch has CUDA and CUDA_HOME is set (`DS_Z3NATIVE_CUDA=1 pip "
-                              "install --no-build-isolation -e .`)")
+                              "with `DS_Z3NATIVE_CUDA=1 pip install --no-build-isolation -v -e .`, "
+                              "which says what it is missing (`ds-z3native doctor` says why "
+                              "this build has none)")
     world = opts.ranks if opts.ranks is not None else (torch.cuda.device_count() if cuda else 2)
     if world < 1:
         raise DemoRefused(f"--ranks must be at least 1, got {world}")

@@ -79,6 +79,15 @@ class DoctorReport:
                 "seconds": round(self.seconds, 2), "checks": [asdict(c) for c in self.checks]}
 
 
+# Why a build has no CUDA: the codes setup.py records in the build info
+# (build_support/cuda_discovery.py's CPU_REASONS).
+_CPU_REASONS = {
+    "cpu-torch": "the torch it was built against had no CUDA",
+    "forced": "it was built with DS_Z3NATIVE_CUDA=0",
+    "no-cuda-runtime": "no CUDA runtime headers (toolkit or nvidia wheels) were found at build time",
+    "no-nccl": "no NCCL (nccl.h and libnccl.so*) was found at build time",
+}
+
 _REINSTALL = ("reinstall against the torch you run: `pip install --no-build-isolation -e .` in the "
               "ds_z3native checkout")
 _DS_RANGE = "'deepspeed>=0.19.0,<0.20'"
@@ -198,12 +207,16 @@ def _check_native(versions: Dict[str, Optional[str]]) -> DoctorCheck:
         return DoctorCheck("native extension", Status.FAIL,
                            f"{detail}, but torch {torch.__version__} is running", _REINSTALL,
                            data=info)
-    if info["flavour"] != "cuda" and torch.cuda.is_available():
+    if info["flavour"] != "cuda" and torch.version.cuda:
+        reason = _CPU_REASONS.get(info.get("cpu_reason") or "", "the build recorded no reason")
+        gpus = "this machine has GPUs and " if torch.cuda.is_available() else ""
         return DoctorCheck("native extension", Status.WARN,
-                           f"{detail}; this machine has GPUs but the build has no CUDA/NCCL",
-                           "reinstall where torch has CUDA and CUDA_HOME is set "
-                           "(`DS_Z3NATIVE_CUDA=1 pip install --no-build-isolation -e .`)",
-                           data=info)
+                           f"{detail}, without CUDA: {reason}; {gpus}torch has CUDA "
+                           f"{torch.version.cuda}, but NCCL process groups are refused at init()",
+                           "reinstall with `DS_Z3NATIVE_CUDA=1 pip install --no-build-isolation "
+                           "-v -e .`: it finds the CUDA runtime and NCCL in a CUDA toolkit or in "
+                           "the nvidia-* wheels torch's CUDA wheel installs, or says which is "
+                           "missing", data=info)
     return DoctorCheck("native extension", Status.PASS, detail, data=info)
 
 

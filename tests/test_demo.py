@@ -92,6 +92,7 @@ def test_without_fix_shows_what_deepspeed_does() -> None:
     0.19.3 DeepSpeed's own fix makes the run succeed, and the demo says so."""
     r = _run([sys.executable, "-m", "ds_z3native", "demo", "--without-fix", "--device", "cpu",
               "--model-size", "tiny", "--steps", "3", "--no-progress"])
+    assert r.returncode in (0, 1), _show(r)
     assert re.search(r"^\s*fix\s+none \(--without-fix\)$", r.stdout, re.M), _show(r)
     if _ds_version() >= Version("0.19.3"):
         assert r.returncode == 0, _show(r)

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -36,22 +37,44 @@ def _show(r: subprocess.CompletedProcess) -> str:
     return f"exit {r.returncode}\n--- stdout\n{r.stdout[-6000:]}\n--- stderr\n{r.stderr[-3000:]}"
 
 
+def _own_site_dirs() -> List[str]:
+    """The site-packages of the environment this interpreter runs in (a virtualenv's own, a
+    conda env's, or the system's), where pip put torch, DeepSpeed and ds_z3native."""
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys(p for p in (paths["purelib"], paths["platlib"]) if os.path.isdir(p)))
+
+
 @pytest.fixture(scope="module")
 def venv_python(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A venv over this interpreter's packages whose own site-packages holds the start-up file,
-    behind a path entry for the directory ds_z3native_autoload is imported from."""
+    """A venv that sees this interpreter's packages, whose own site-packages holds the start-up
+    file, behind a path entry for the directory ds_z3native_autoload is imported from.
+
+    ``--system-site-packages`` gives the base interpreter's packages only: when the tests run
+    from a virtualenv, torch and DeepSpeed live in that virtualenv's site-packages, so a .pth
+    adds those as site directories (their own .pth files, editable installs', run too)."""
     import ds_z3native_autoload
 
     root = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
-                    str(root)], check=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                        str(root)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, _show(r)
     python = str(root / "bin" / "python")
-    site_dir = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
-                              check=True, capture_output=True, text=True).stdout.strip()
-    # .pth files run in name order: the path entry first, as pip's editable install does.
+    r = subprocess.run([python, "-c", "import json, site, sys; "
+                        "print(json.dumps([site.getsitepackages(), sys.path]))"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, _show(r)
+    site_dirs, seen = json.loads(r.stdout)
+    site_dir = site_dirs[0]
+    missing = [d for d in _own_site_dirs() if d not in seen]
+    # .pth files run in name order: the path entries first, as pip's editable install does.
     Path(site_dir, "00-ds_z3native-path.pth").write_text(
-        os.path.dirname(ds_z3native_autoload.__file__) + "\n")
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in missing)
+        + os.path.dirname(ds_z3native_autoload.__file__) + "\n")
     ds_z3native_autoload.write_pth(site_dir)
+    r = subprocess.run([python, "-c", "import torch, deepspeed, ds_z3native"], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, "the test venv does not see this environment's packages:\n" + \
+        _show(r)
     return python
 
 
@@ -68,8 +91,8 @@ def test_doctor_json_reports_a_ready_environment(venv_python: str) -> None:
 
     r = subprocess.run([venv_python, "-m", "ds_z3native", "doctor", "--json"], cwd=ROOT,
                        env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-    report = json.loads(r.stdout)  # stdout holds the JSON alone (DeepSpeed's logs go to stderr)
     assert r.returncode == 0, _show(r)
+    report = json.loads(r.stdout)  # stdout holds the JSON alone (DeepSpeed's logs go to stderr)
     assert report["versions"]["deepspeed"] == deepspeed.__version__
     checks = _by_name(report)
     assert [c["name"] for c in report["checks"]] == [

@@ -43,3 +43,14 @@ def test_build_info_is_json_of_the_loaded_extension() -> None:
     info = json.loads(r.stdout)
     assert info["flavour"] == ds_z3native.build_info()["flavour"]
     assert info["torch_matches_build"] is True
+
+
+def test_help_texts_are_plain_text() -> None:
+    """argparse prints descriptions as written: no reST or Markdown literal markup in any
+    command's --help."""
+    for command in ([], ["demo"], ["doctor"], ["selftest"], ["build-info"]):
+        r = _run(*command, "--help")
+        assert r.returncode == 0, r.stderr
+        assert "`" not in r.stdout, f"markup in `ds-z3native {' '.join(command)} --help`:\n{r.stdout}"
+    r = _run("--help")
+    assert "demo (a LoRA fine-tune" in r.stdout and "python -m bench" in r.stdout, r.stdout

@@ -78,6 +78,8 @@ def test_readme_demo_command_trains() -> None:
     # tqdm's bar on stderr, with the step's loss, step time and peak memory.
     assert re.search(r"LoRA fine-tune: 100%.*20/20.*step 20 loss [0-9.]+ [0-9.]+s/step peak RSS "
                      r"[0-9.]+ MiB", r.stderr), r.stderr[-2000:]
+    assert re.search(r"^\s*step time\s+[0-9.]+ s median of steps 2-20 \([0-9.]+ s first\)$",
+                     r.stdout, re.M), _show(r)
     expected = ("checkpoint_recompute_hardening" if _ds_version() >= Version("0.19.3")
                 else "checkpoint_recompute_frozen")
     assert re.search(rf"^\s*fix\s+ds_z3native\.install\(\):.*{expected}", r.stdout, re.M), \
@@ -170,3 +172,65 @@ def test_a_dead_rank_fails_the_run_and_stops_the_others() -> None:
     assert result.error["rank"] == 1
     assert "rank 1 exited with code -9" in format_summary(result)
     assert not ranks[0].is_alive() and ranks[0].exitcode is not None
+
+
+def _result(step_seconds: List[float], replan_steps: List[int], deepcompile: bool):
+    from ds_z3native.demo import EXIT_OK, DemoResult
+
+    return DemoResult(EXIT_OK, {"model_size": "1b", "steps": len(step_seconds),
+                                "deepcompile": deepcompile},
+                      step_seconds=step_seconds, replan_steps=replan_steps)
+
+
+def _step_time_row(summary: str) -> str:
+    match = re.search(r"^\s*step time\s+(.+)$", summary, re.M)
+    assert match, summary
+    return match.group(1)
+
+
+def test_step_time_is_the_median_after_deepcompiles_replan() -> None:
+    """DeepCompile compiles at step 1 and again at its scheduled re-plan (step 6 on DeepSpeed
+    0.19): the summary reports the median of the steps after the re-plan and names both slow
+    steps, not a mean that includes the re-plan."""
+    from ds_z3native.demo import format_summary
+
+    times = [186.9, 0.05, 0.04, 0.05, 0.04, 217.3] + [0.031, 0.029, 0.030, 0.9] + [0.030] * 10
+    row = _step_time_row(format_summary(_result(times, [0, 5], deepcompile=True)))
+    assert row.startswith("0.030 s median of steps 7-20 "), row
+    assert "186.90 s first" in row and "217.30 s at DeepCompile's re-plan, step 6" in row, row
+
+
+def test_step_time_without_deepcompile_is_the_median_after_the_first() -> None:
+    from ds_z3native.demo import format_summary
+
+    row = _step_time_row(format_summary(_result([2.5, 1.0, 1.2, 5.0, 1.1], [], False)))
+    assert row == "1.150 s median of steps 2-5 (2.50 s first)", row
+    row = _step_time_row(format_summary(_result([2.5], [], False)))
+    assert row == "no steps after the first to measure (2.50 s first)", row
+
+
+def test_a_run_that_ends_before_the_replan_says_so() -> None:
+    from ds_z3native.demo import format_summary
+
+    row = _step_time_row(format_summary(_result([186.9, 0.05, 0.04], [0, 5], deepcompile=True)))
+    assert row == "0.045 s median of steps 2-3 (186.90 s first)", row
+    row = _step_time_row(format_summary(_result([186.9] + [0.05] * 4 + [217.3], [0, 5], True)))
+    assert row.startswith("no steps after the re-plan to measure"), row
+
+
+@pytest.mark.deepspeed
+def test_the_replan_steps_are_read_from_deepspeeds_pass_schedule() -> None:
+    """What the rank reports after engine.compile(): the steps of DeepSpeed's own pass schedule,
+    as its init_schedule() stores them."""
+    from deepspeed.compile import backend
+
+    from ds_z3native.demo import _deepcompile_replan_steps
+
+    saved = backend.remaining_schedule
+    try:
+        backend.init_schedule([(0, []), (5, [])])
+        assert _deepcompile_replan_steps() == [0, 5]
+        backend.remaining_schedule = None  # engine.compile() never ran
+        assert _deepcompile_replan_steps() == []
+    finally:
+        backend.remaining_schedule = saved

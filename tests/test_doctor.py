@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -155,6 +156,49 @@ def test_ds_z3native_set_without_the_startup_hook_fails() -> None:
     assert lines[fail[0] + 1].strip().startswith("-> "), lines[fail[0] + 1]
     assert "ds_z3native.install()" in lines[fail[0] + 1]
     assert lines[-1].endswith("NOT ready: fix the FAIL lines above"), lines[-1]
+
+
+@pytest.mark.deepspeed
+def test_text_report_has_one_aligned_verdict_per_check_and_no_deepspeed_notice() -> None:
+    """As a terminal shows it (stderr and stdout in one stream), with DeepSpeed left to detect
+    its accelerator: between the title and the closing line there are only verdict lines and
+    their fixes; every label fits the label column, two spaces before each detail; DeepSpeed's
+    'Setting accelerator to CPU' notice is not among them and the deepspeed line names the
+    accelerator DeepSpeed chose."""
+    from ds_z3native.doctor import LABEL_WIDTH, LABELS
+
+    env = _env()
+    env.pop("DS_ACCELERATOR", None)
+    r = subprocess.run([sys.executable, "-m", "ds_z3native", "doctor", "--no-selftest"], cwd=ROOT,
+                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-6000:]}"
+    lines = r.stdout.splitlines()
+    title = lines.index("ds-z3native doctor")
+    body = lines[title + 1:-1]
+    assert re.match(r"\d+ PASS, \d+ WARN, 0 FAIL in [0-9.]+ s: ready", lines[-1]), lines[-1]
+    assert not [ln for ln in r.stdout.splitlines() if "Setting accelerator" in ln], r.stdout
+    detail_at = len("[PASS] ") + LABEL_WIDTH + 2
+    verdicts = [ln for ln in body if not ln.startswith(" " * detail_at + "-> ")]
+    assert verdicts and all(re.match(r"\[(PASS|WARN|FAIL)\] ", ln) for ln in verdicts), body
+    for ln in verdicts:
+        assert ln[7:detail_at].rstrip() in LABELS, ln
+        assert ln[detail_at - 2:detail_at] == "  " and ln[detail_at] != " ", ln
+    import torch
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    deepspeed_line = next(ln for ln in verdicts if ln[7:detail_at].rstrip() == "deepspeed")
+    assert deepspeed_line.endswith(f", accelerator {expected}"), deepspeed_line
+
+
+def test_every_check_label_fits_the_label_column() -> None:
+    """The labels a report produces are the ones the column is sized for."""
+    from ds_z3native.doctor import LABEL_WIDTH, LABELS, run_doctor
+
+    report = run_doctor(selftest=False)
+    names = [c.name for c in report.checks]
+    assert set(names) <= set(LABELS), names
+    assert LABEL_WIDTH == max(len(n) for n in LABELS) >= len("patches for this DeepSpeed")
 
 
 def test_the_native_check_reports_how_this_build_got_its_flavour() -> None:

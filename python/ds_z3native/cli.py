@@ -1,9 +1,5 @@
-"""Command line of ds_z3native: ``ds-z3native <command>`` or ``python -m ds_z3native <command>``.
-
-Commands: ``demo`` (a LoRA fine-tune under ZeRO-3 with activation checkpointing), ``doctor``
-(is this environment covered), ``selftest`` (the dc op on gloo ranks), ``build-info``, ``bench``
-(the benchmark suite of a source checkout: ``python -m bench``).
-"""
+"""Command line of ds_z3native: ``ds-z3native <command>`` or ``python -m ds_z3native <command>``
+(:data:`DESCRIPTION` is what ``--help`` shows)."""
 
 from __future__ import annotations
 
@@ -14,6 +10,11 @@ import os
 import sys
 from pathlib import Path
 from typing import List, Optional
+
+# Plain text: argparse prints it as written.
+DESCRIPTION = ("Commands: demo (a LoRA fine-tune under ZeRO-3 with activation checkpointing), "
+               "doctor (is this environment covered), selftest (the dc op on gloo ranks), "
+               "build-info, bench (the benchmark suite of a source checkout: python -m bench).")
 
 
 def _cmd_build_info(args: argparse.Namespace) -> int:
@@ -108,7 +109,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     verbose = [a for a in args_in[:2] if a in ("-v", "--verbose")]
     if args_in[len(verbose):len(verbose) + 1] == ["bench"]:  # the suite parses its own options
         return _cmd_bench(args_in[len(verbose) + 1:] + verbose)
-    parser = argparse.ArgumentParser(prog="ds-z3native", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ds-z3native", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build-info", help="print how the native extension was built (JSON)")
@@ -158,7 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--ranks", type=int, default=2, help="ranks of the self-test (default 2)")
     p.set_defaults(func=_cmd_doctor)
     sub.add_parser("bench", help="run the benchmark suite of a source checkout "
-                                 "(`ds-z3native bench --help`; same as `python -m bench`)")
+                                 "(ds-z3native bench --help; same as python -m bench)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

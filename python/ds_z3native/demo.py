@@ -20,6 +20,7 @@ import math
 import os
 import queue as queue_mod
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -80,6 +81,9 @@ class DemoResult:
     trainable: int = 0
     losses: List[float] = field(default_factory=list)
     step_seconds: List[float] = field(default_factory=list)
+    # Steps (0-based) at which DeepCompile's pass schedule re-plans and recompiles (DeepSpeed
+    # 0.19: 0 and 5); empty without DeepCompile.
+    replan_steps: List[int] = field(default_factory=list)
     peak_memory_bytes: int = 0
     peak_memory_kind: str = ""
     setup_seconds: float = 0.0
@@ -141,6 +145,19 @@ def _why(exc: BaseException, text: str, ds_version: str, fixed: bool) -> str:
                 f"gathered until their module's backward ends (DeepSpeed fixed it in "
                 f"{_UPSTREAM_RECOMPUTE_FIX}).")
     return ""
+
+
+def _deepcompile_replan_steps() -> List[int]:
+    """The engine steps (0-based) at which DeepCompile applies its scheduled passes, read after
+    ``engine.compile()``: each resets Dynamo and compiles the graphs again, so those steps are
+    not steady-state steps (DeepSpeed 0.19: 0, and 5 where profiling ends). [] if unreadable."""
+    try:
+        from deepspeed.compile import backend
+
+        return sorted({int(step) for step, _ in (backend.remaining_schedule or ())})
+    except Exception as e:  # noqa: BLE001 - the summary then counts from the second step
+        log.debug("DeepCompile's pass schedule: %s", e)
+        return []
 
 
 def _redirect_output(path: str) -> None:
@@ -205,13 +222,16 @@ def _rank_main(rank: int, world: int, port: int, cuda: bool, opts: DemoOptions,
         trainable = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable,
                                           config=_zero3_config(size, opts, cuda))
+        replan: List[int] = []
         if opts.deepcompile:
             engine.compile()
+            replan = _deepcompile_replan_steps()
         device = engine.device
         if rank == 0:
             events.put({"kind": "ready", "deepspeed": ds_version, "torch": torch.__version__,
                         "fix": fix, "params": counts["params"], "trainable": counts["trainable"],
-                        "memory_kind": "max GPU memory allocated" if cuda else "peak RSS"})
+                        "memory_kind": "max GPU memory allocated" if cuda else "peak RSS",
+                        "replan_steps": replan})
         for step in range(opts.steps):
             ids = synthetic_batch(size, step, rank, seed=opts.seed).to(device)
             t0 = time.perf_counter()
@@ -405,6 +425,7 @@ def run_demo(opts: DemoOptions, stream: Optional[TextIO] = None) -> DemoResult:
                     result.params, result.trainable = event["params"], event["trainable"]
                     result.setup_seconds = time.monotonic() - start  # start-up to engine ready
                     result.peak_memory_kind = event["memory_kind"]
+                    result.replan_steps = list(event.get("replan_steps", []))
                     bar.write(f"DeepSpeed {result.deepspeed_version}, torch "
                               f"{result.torch_version}; Llama '{opts.model_size}' with LoRA, ZeRO-3, non-reentrant "
                               f"checkpointing; fix: {result.fix} (set-up "
@@ -497,6 +518,23 @@ def _error_excerpt(message: str, limit: int = 6) -> List[str]:
     return [k[:300] for k in keep]
 
 
+def _step_time(result: DemoResult) -> str:
+    """The median step time of the steady steps: those after the first step and, under
+    DeepCompile, after its last scheduled re-plan (which compiles every graph again), with the
+    slow steps left out named."""
+    times = result.step_seconds
+    start = max([0] + [s for s in result.replan_steps if s < len(times)]) + 1
+    slow = [f"{times[0]:.2f} s first"]
+    slow += [f"{times[s]:.2f} s at DeepCompile's re-plan, step {s + 1}"
+             for s in result.replan_steps if 0 < s < len(times)]
+    if start >= len(times):
+        return (f"no steps after {'the re-plan' if start > 1 else 'the first'} to measure "
+                f"({', '.join(slow)})")
+    steady = times[start:]
+    steps = f"step {start + 1}" if len(steady) == 1 else f"steps {start + 1}-{len(times)}"
+    return f"{statistics.median(steady):.3f} s median of {steps} ({', '.join(slow)})"
+
+
 def format_summary(result: DemoResult) -> str:
     """The table (and, on failure, the error and why) printed after the run."""
     rows = [("outcome", "OK" if result.exit_code == EXIT_OK else "FAILED"),
@@ -513,9 +551,7 @@ def format_summary(result: DemoResult) -> str:
     if result.losses:
         rows.append(("loss first -> last", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}"))
     if result.step_seconds:
-        later = result.step_seconds[1:] or result.step_seconds
-        rows.append(("step time", f"{sum(later) / len(later):.3f} s mean after the first "
-                                  f"({result.step_seconds[0]:.2f} s first)"))
+        rows.append(("step time", _step_time(result)))
     if result.peak_memory_bytes:
         rows.append((f"peak memory ({result.peak_memory_kind}, rank 0)",
                      _fmt_bytes(result.peak_memory_bytes)))

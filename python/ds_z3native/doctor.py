@@ -31,7 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
-__all__ = ["Status", "DoctorCheck", "DoctorReport", "run_doctor", "format_report"]
+__all__ = ["Status", "DoctorCheck", "DoctorReport", "run_doctor", "format_check",
+           "format_report", "LABELS", "LABEL_WIDTH"]
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +111,48 @@ print("\\nDSZ_PROBE " + json.dumps(out))
 """
 
 
-def _quiet_import_deepspeed() -> Any:
-    """``import deepspeed`` with its start-up logging sent to stderr (it logs to stdout)."""
-    with contextlib.redirect_stdout(sys.stderr):
-        import deepspeed
+# DeepSpeed's auto-detection logs this at import on every machine without a GPU; the doctor
+# reports the accelerator DeepSpeed chose in its own verdict line instead.
+_DS_ACCELERATOR_NOTICE = "Setting accelerator to CPU"
 
+
+class _DropRecords(logging.Filter):
+    """Drops log records whose message contains ``text``, counting them."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.dropped = text, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.text in record.getMessage():
+            self.dropped += 1
+            return False
+        return True
+
+
+def _quiet_import_deepspeed() -> Any:
+    """``import deepspeed`` with its start-up logging sent to stderr (it logs to stdout) and its
+    accelerator notice dropped (it would land between the verdict lines)."""
+    ds_logger = logging.getLogger("DeepSpeed")  # the logger DeepSpeed creates at import
+    drop = _DropRecords(_DS_ACCELERATOR_NOTICE)
+    ds_logger.addFilter(drop)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed
+    finally:
+        ds_logger.removeFilter(drop)
     return deepspeed
+
+
+def _deepspeed_accelerator() -> Optional[str]:
+    """The accelerator DeepSpeed chose in this process (``cpu``, ``cuda``, ...), or None."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        return str(get_accelerator().device_name())
+    except Exception as e:  # noqa: BLE001 - only reported
+        log.debug("deepspeed.accelerator.get_accelerator(): %s", e)
+        return None
 
 
 def _start_activation_probe() -> Optional[subprocess.Popen]:
@@ -245,8 +282,11 @@ def _check_deepspeed(versions: Dict[str, Optional[str]], dc_owner: Optional[str]
     versions["deepspeed"] = deepspeed.__version__
     version = deepspeed_version()
     where = os.path.dirname(deepspeed.__file__)
-    checks = [DoctorCheck("deepspeed", Status.PASS, f"{deepspeed.__version__} ({where})",
-                          data={"version": deepspeed.__version__, "path": where})]
+    accelerator = _deepspeed_accelerator()
+    checks = [DoctorCheck("deepspeed", Status.PASS,
+                          f"{deepspeed.__version__} ({where}), accelerator {accelerator or '?'}",
+                          data={"version": deepspeed.__version__, "path": where,
+                                "accelerator": accelerator})]
 
     gate = check_deepspeed_version(version)
     mismatches = contract_mismatches()
@@ -407,11 +447,19 @@ def run_doctor(selftest: bool = True, ranks: int = 2,
     return report
 
 
-def format_check(check: DoctorCheck, width: int = 26) -> str:
-    """One verdict line, plus the fix for WARN and FAIL."""
-    line = f"[{check.status}] {check.name.ljust(width)} {check.detail}"
+# Every check's label, in report order: the text report's label column is as wide as the longest.
+LABELS = ("python", "torch", "cuda", "nccl", "native extension", "deepspeed",
+          "install() would succeed", "patches for this DeepSpeed", "DS_Z3NATIVE activation",
+          "demo packages", "self-test")
+LABEL_WIDTH = max(len(label) for label in LABELS)
+
+
+def format_check(check: DoctorCheck, width: int = LABEL_WIDTH) -> str:
+    """One verdict line (label column ``width`` wide, then two spaces), plus the fix for WARN
+    and FAIL under the detail."""
+    line = f"[{check.status}] {check.name.ljust(width)}  {check.detail}"
     if check.status != Status.PASS and check.fix:
-        line += f"\n       {'':{width}} -> {check.fix}"
+        line += f"\n{'':{len(check.status) + 3 + width + 2}}-> {check.fix}"
     return line
 
 

@@ -21,8 +21,10 @@ trainable param groups only.
   it reaches ``dc::reduce_grad`` and the native layer refuses it. Seen on one H200 with DeepSpeed
   0.19.2 and 0.19.8: unfrozen before step 2, three steps trained without it, then step 5 raised.
   This patch adds a DeepCompile pre-backward hook (DeepSpeed runs those at the start of
-  ``engine.backward``) that raises :class:`UnfrozenAfterCompile`, naming the params, at the first
-  backward after the change. The native refusal stays as the second line.
+  ``engine.backward``; 0.19.0 - 0.19.1 call them with no argument, 0.19.2+ with the
+  accumulation-boundary flag, and the hook takes either) that raises
+  :class:`UnfrozenAfterCompile`, naming the params, at the first backward after the change. The
+  native refusal stays as the second line.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import collections
 import importlib
 import logging
 from types import ModuleType
-from typing import Any, Callable, Collection, Dict, List, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
 
 from packaging.version import Version
 
@@ -53,7 +55,7 @@ _INIT_Z3_MODULE = "deepspeed.compile.init_z3"
 
 def init_z3_owners() -> List[ModuleType]:
     """Modules holding DeepSpeed's ``init_z3``: its own module and, in releases that import it at
-    module level (0.19.2 does; 0.19.8 imports it inside ``engine.compile()``),
+    module level (0.19.0 - 0.19.7 do; 0.19.8 imports it inside ``engine.compile()``),
     ``deepspeed.runtime.engine``."""
     return [importlib.import_module(_INIT_Z3_MODULE),
             importlib.import_module("deepspeed.runtime.engine")]
@@ -145,7 +147,9 @@ class _UnfrozenGuard:
     def __init__(self, frozen: List[Tuple[str, Any]]) -> None:
         self._frozen = frozen  # (name, param) of the params registered frozen
 
-    def __call__(self, _is_gradient_accumulation_boundary: bool) -> None:
+    def __call__(self, _is_gradient_accumulation_boundary: Optional[bool] = None) -> None:
+        # DeepSpeed 0.19.0 - 0.19.1 call pre-backward hooks with no argument, 0.19.2+ with the
+        # accumulation-boundary flag (deepcompile_backward_prologue): accept both.
         unfrozen = [f"{name} (ds_id {p.ds_id})" for name, p in self._frozen if p.requires_grad]
         if unfrozen:
             raise UnfrozenAfterCompile(

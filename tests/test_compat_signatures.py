@@ -1,0 +1,184 @@
+"""Each patch's version range against the installed DeepSpeed's signatures and call forms.
+
+A patch wraps DeepSpeed functions and passes their arguments on by position or reads them by
+name; a release that renames, reorders or drops one would break the patch only when the wrapped
+code runs (often only under CUDA DeepCompile). :data:`USES` lists, for every patch, the DeepSpeed
+callables it wraps or calls and the leading parameters it relies on; the tests check them in the
+installed release for every patch that targets it, so running them on each release (CI's release
+matrix) checks each patch's ``first``/``last`` against the signatures of every release it covers.
+The pre-backward hook is checked through DeepSpeed's own caller, which is where 0.19.0 - 0.19.1
+differ (they call hooks with no argument).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+from packaging.version import Version
+
+from ds_z3native.compat import deepspeed_version
+from ds_z3native.compat.registry import all_patches
+
+pytestmark = [pytest.mark.deepspeed, pytest.mark.release_matrix]
+
+_ENGINE = "deepspeed.runtime.engine"
+_COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator"
+_INIT_Z3 = ("deepspeed.compile.init_z3", "init_z3", ("engine",))
+_RECOMPUTE = [
+    (_COORDINATOR, "PartitionedParameterCoordinator.fetch_sub_module",
+     ("self", "current_submodule", "forward")),
+    (_COORDINATOR, "PartitionedParameterCoordinator.release_sub_module",
+     ("self", "submodule", "forward")),
+    (_COORDINATOR, "PartitionedParameterCoordinator.reset_step", ("self",)),
+    (_COORDINATOR, "PartitionedParameterCoordinator.__release_param", ("self", "param")),
+    (_COORDINATOR, "iter_params", ("module", "recurse")),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.backward_epilogue", ("self",)),
+    (_ENGINE, "DeepSpeedEngine.backward", ("self",)),
+]
+
+# patch name -> (module, attribute path, leading parameter names the patch relies on; None: an
+# attribute that must exist and is not called).
+USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
+    "deepcompile-z3-frozen-grad-buffer": [_INIT_Z3],
+    "deepcompile-z3-declare-frozen": [_INIT_Z3,
+                                      ("deepspeed.compile.util", "get_deepcompile_handle", ())],
+    "deepcompile-z3-unfrozen-guard": [_INIT_Z3,
+                                      ("deepspeed.compile.util", "add_pre_backward_hook", ("hook",)),
+                                      ("deepspeed.compile.util", "pre_backward_hooks", None)],
+    "deepcompile-hf-checkpoint-graph-breaks": [
+        (_ENGINE, "DeepSpeedEngine.compile", ("self",)),
+        (_ENGINE, "DeepSpeedEngine.is_deepcompile_enabled", ("self",))],
+    "deepcompile-z3-eager-gather": [
+        (_ENGINE, "DeepSpeedEngine.compile", ("self",)),
+        (_ENGINE, "DeepSpeedEngine.forward", ("self",)),
+        # The wrapper reads retain_graph as the second argument after self.
+        (_ENGINE, "DeepSpeedEngine.backward", ("self", "loss", "retain_graph")),
+        (_ENGINE, "DeepSpeedEngine.is_deepcompile_active", ("self",)),
+        (_ENGINE, "DeepSpeedEngine.zero_optimization_partition_weights", ("self",)),
+        ("deepspeed.runtime.zero.parameter_offload", "ZeROOrderedDict.__init__",
+         ("self", "parent_module"))],
+    "deepcompile-prefetch-budget": [
+        ("deepspeed.compile.passes.prefetch", "schedule_prefetch", ()),
+        ("deepspeed.compile.passes.prefetch", "MAX_BUFFERED_SIZE", None)],
+    "deepcompile-canonical-graph-ids": [
+        ("deepspeed.compile.inductor", "patch_compiler",
+         ("original_compiler", "dc_compiler", "z3_partition", "graph_id"))],
+    "deepcompile-profile-store": [
+        ("deepspeed.compile.profilers.graph_profile", "ProfilingInterpreter.run", ("self",)),
+        ("deepspeed.compile.profilers.graph_profile", "MemoryProfilingInterpreter.run", ("self",)),
+        ("deepspeed.compile.profilers.comm_profile", "run_all_gather", ("device", "dtype"))],
+    "gloo-collectives-outside-python-dispatch": [
+        ("deepspeed.comm.torch", "TorchBackend.all_gather_into_tensor", ("self",)),
+        ("deepspeed.comm.torch", "TorchBackend.reduce_scatter_tensor", ("self",))],
+    "deepcompile-cpu-device": [
+        ("deepspeed.accelerator.cpu_accelerator", "CPU_Accelerator.current_device", ("self",))],
+    "checkpoint_recompute_frozen": _RECOMPUTE,
+    "checkpoint_recompute_hardening": _RECOMPUTE,
+}
+
+VERSION = deepspeed_version()
+
+
+def _resolve(module: str, path: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in path.split("."):
+        if part.startswith("__") and not part.endswith("__"):  # private: as Python mangles it
+            part = f"_{type(obj).__name__ if not isinstance(obj, type) else obj.__name__}{part}"
+        obj = getattr(obj, part)
+    return obj
+
+
+def _parameters(module: str, path: str) -> List[str]:
+    """The parameter names of the function ``path`` as written in ``module``'s source. Read from
+    the source: DeepSpeed decorates some (nvtx ranges) with wrappers that hide the signature."""
+    tree = ast.parse(Path(importlib.import_module(module).__file__).read_text())
+    scope: List[ast.stmt] = tree.body
+    for part in path.split("."):
+        found = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                    ast.ClassDef)) and n.name == part]
+        assert found, f"{module}: no {path} in the source"
+        node = found[-1]
+        scope = node.body
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)), path
+    a = node.args
+    return [x.arg for x in a.posonlyargs + a.args]
+
+
+def test_every_patch_says_what_it_uses() -> None:
+    assert set(USES) == {p.name for p in all_patches()}
+
+
+@pytest.mark.parametrize("patch", [p for p in all_patches() if p.targets(VERSION)],
+                         ids=lambda p: p.name)
+def test_what_each_patch_uses_has_the_parameters_it_relies_on(patch: Any) -> None:
+    wrong = []
+    for module, path, leading in USES[patch.name]:
+        try:
+            obj = _resolve(module, path)
+        except (ImportError, AttributeError) as e:
+            wrong.append(f"{module}.{path}: missing ({e})")
+            continue
+        if leading is None:
+            continue
+        names = _parameters(module, path)[:len(leading)]
+        if tuple(names) != leading:
+            wrong.append(f"{module}.{path}: parameters start {names}, the patch relies on "
+                         f"{list(leading)}")
+    assert not wrong, f"DeepSpeed {VERSION} vs {patch.name}: " + "; ".join(wrong)
+
+
+def test_recompute_patch_ranges_split_where_deepspeeds_own_attribution_begins() -> None:
+    # checkpoint_recompute_frozen replaces nothing upstream (0.19.0 - 0.19.2); the hardening
+    # runs beside DeepSpeed's update_recompute_parameters (0.19.3+).
+    from ds_z3native.compat.checkpoint_recompute import RECOMPUTE_FROZEN, RECOMPUTE_HARDENING
+
+    upstream = hasattr(importlib.import_module(_COORDINATOR), "update_recompute_parameters")
+    assert RECOMPUTE_HARDENING.targets(VERSION) is upstream
+    assert RECOMPUTE_FROZEN.targets(VERSION) is (not upstream)
+
+
+def test_frozen_grad_buffer_patch_targets_the_releases_that_look_frozen_params_up() -> None:
+    # Up to 0.19.5 init_z3 reads the optimizer's grad partition of every param; 0.19.6+ only
+    # of params that require grad. Read from the installed source.
+    from ds_z3native.compat.deepcompile_frozen import FROZEN_GRAD_BUFFER
+
+    source = inspect.getsource(importlib.import_module("deepspeed.compile.init_z3").init_z3)
+    assert "__param_id_to_grad_partition[p.ds_id]" in source
+    checks_requires_grad = "p.requires_grad" in source
+    assert FROZEN_GRAD_BUFFER.targets(VERSION) is (not checks_requires_grad)
+
+
+def test_unfrozen_guard_runs_in_deepspeeds_backward_prologue() -> None:
+    # DeepSpeed's own caller of pre-backward hooks: 0.19.0 - 0.19.1 call them with no argument,
+    # 0.19.2+ with the accumulation-boundary flag. The guard raises before the prologue goes on
+    # to the native start_backward.
+    from deepspeed.compile import util
+    from ds_z3native.compat.deepcompile_frozen import UnfrozenAfterCompile, _UnfrozenGuard
+
+    weight = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    weight.ds_id = 41
+    guard = _UnfrozenGuard([("layer.weight", weight)])
+    util.add_pre_backward_hook(guard)
+    try:
+        weight.requires_grad_(True)
+        for boundary in (True, False):
+            with pytest.raises(UnfrozenAfterCompile, match=r"layer\.weight \(ds_id 41\)"):
+                util.deepcompile_backward_prologue(boundary)
+    finally:
+        util.pre_backward_hooks.remove(guard)
+
+
+def test_pre_backward_hook_call_form_matches_the_release() -> None:
+    # What the guard must accept, read from the installed caller's source.
+    from deepspeed.compile import util
+
+    source = inspect.getsource(util.deepcompile_backward_prologue)
+    with_flag = "hook(is_gradient_accumulation_boundary)" in source
+    assert with_flag or "hook()" in source, source
+    assert with_flag is (VERSION >= Version("0.19.2"))

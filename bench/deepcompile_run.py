@@ -232,6 +232,23 @@ def cpu_deepspeed() -> None:
     accelerator.current_device = lambda self: "cpu"
 
 
+def _evaluate(engine: Any, args: Any, llama: bool, dtype: Any, device: Any, step: int) -> float:
+    """The mean loss of two evaluation forwards (eval mode, no_grad), then back to training."""
+    import torch
+
+    engine.eval()
+    losses = []
+    with torch.no_grad():
+        for i in range(2):
+            if llama:
+                (ids,) = _llama_batch(args.size, 10**6 + 2 * step + i, args.seed, device)
+                losses.append(float(engine(input_ids=ids, labels=ids).loss.float()))
+            else:
+                losses.append(float(engine(*_batch(10**6 + 2 * step + i, args.seed, dtype, device))))
+    engine.train()
+    return sum(losses) / len(losses)
+
+
 def _batch(step: int, seed: int, dtype: Any, device: Any) -> List[Any]:
     import torch
 
@@ -265,7 +282,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     import deepspeed
     from torch._dynamo.utils import counters
 
-    result.update(deepspeed=deepspeed.__version__, torch=torch.__version__, losses=[],
+    result.update(deepspeed=deepspeed.__version__, torch=torch.__version__, losses=[], eval_losses=[],
                   device="cpu" if cpu else torch.cuda.get_device_name())
     if args.native == "ours":
         import ds_z3native
@@ -333,6 +350,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
                     engine(*_batch(step + 10**6, args.seed, dtype, device))
         engine.backward(loss)
         engine.step()
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            result["eval_losses"].append(_evaluate(engine, args, llama, dtype, device, step))
         if not cpu:
             torch.cuda.synchronize()
         now = time.perf_counter()
@@ -401,6 +420,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "deepcompile-z3-eager-gather")
     parser.add_argument("--eval-between", action="store_true",
                         help="run a no-grad forward between each forward and its backward")
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="after every N steps, evaluate as HF Trainer does: model.eval(), "
+                             "two forwards under no_grad, model.train()")
     parser.add_argument("--no-deepspeed-fallback", action="store_true",
                         help="turn DeepSpeed 0.19.8's own eager fallback off")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")

@@ -1,0 +1,219 @@
+"""LoRA fine-tune of a Llama under DeepSpeed ZeRO-3 with HF Trainer or TRL's SFTTrainer.
+
+Nothing in it is specific to ds_z3native: it is an ordinary Trainer script. The fixes come from
+the environment (``DS_Z3NATIVE=1``) and DeepCompile from the DeepSpeed config
+(``ds_z3_deepcompile.json``) plus ``--torch-compile``:
+
+    DS_Z3NATIVE=1 accelerate launch --config_file examples/accelerate_zero3.yaml \\
+        examples/sft_lora.py --deepspeed examples/ds_z3_deepcompile.json --torch-compile
+    DS_Z3NATIVE=1 torchrun --nproc_per_node 2 examples/sft_lora.py --deepspeed examples/ds_z3.json
+
+Without ``--model`` it builds a small Llama from a config with random weights and trains it on
+synthetic token sequences (nothing is downloaded); with ``--model NAME_OR_PATH`` it loads that
+model (and its tokenizer for TRL). ``--results FILE`` writes the logged losses, the evaluation
+losses and where the adapter was saved, as JSON (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+
+# Sizes of the models built from a config (hidden, intermediate, layers, heads, kv heads, vocab).
+SIZES = {
+    "tiny": (128, 352, 2, 4, 2, 512),
+    "small": (256, 704, 4, 4, 2, 2048),
+    "1b": (2048, 5632, 16, 32, 8, 32000),
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trainer", choices=("hf", "trl"), default="hf",
+                   help="transformers.Trainer or trl.SFTTrainer (default: hf)")
+    p.add_argument("--deepspeed", help="DeepSpeed config file (ZeRO-3: examples/ds_z3.json)")
+    p.add_argument("--model", help="a model name or path to load; default: a Llama built from "
+                                   "a config (--size) with random weights")
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--output-dir", default="out/sft_lora")
+    p.add_argument("--max-steps", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=2, help="per device")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 turns clipping off")
+    p.add_argument("--lora-rank", type=int, default=4)
+    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing",
+                   action="store_false", help="(default: non-reentrant checkpointing on)")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="TrainingArguments(torch_compile=True): with a DeepCompile config, "
+                        "accelerate calls engine.compile()")
+    p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: never)")
+    p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: never)")
+    p.add_argument("--resume", nargs="?", const=True, default=None,
+                   help="resume from the last checkpoint in --output-dir, or from the one given")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--results", help="write losses and the adapter's path here (JSON, rank 0)")
+    return p.parse_args(argv)
+
+
+def synthetic_dataset(n: int, seq_len: int, vocab: int, seed: int) -> Any:
+    """Counting sequences (t[i+1] = t[i] + stride mod vocab) from a few starts: learnable fast."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, vocab, (n,), generator=g)
+    strides = torch.randint(1, 7, (n,), generator=g)
+    ids = (starts[:, None] + strides[:, None] * torch.arange(seq_len)[None, :]) % vocab
+    return Dataset.from_dict({"input_ids": ids.tolist()})
+
+
+def word_tokenizer(vocab: int) -> Any:
+    """A tokenizer built in memory (token ``t<i>`` is id i): what TRL needs beside a model built
+    from a config."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab - 1)}
+    words["<pad>"] = vocab - 1
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<pad>")
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if args.model:
+        return AutoModelForCausalLM.from_pretrained(args.model)
+    hidden, inter, layers, heads, kv, vocab = SIZES[args.size]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                         max_position_embeddings=max(args.seq_len, 128), tie_word_embeddings=False)
+    torch.manual_seed(args.seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+class LossRecorder:
+    """Collects what the trainer logs (training and evaluation losses, by step)."""
+
+    def __init__(self) -> None:
+        self.train: List[List[float]] = []
+        self.eval: List[List[float]] = []
+
+    def callback(self) -> Any:
+        from transformers import TrainerCallback
+
+        recorder = self
+
+        class _Record(TrainerCallback):
+            def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict] = None,
+                       **kwargs: Any) -> None:
+                logs = logs or {}
+                if "loss" in logs:
+                    recorder.train.append([state.global_step, float(logs["loss"])])
+                if "eval_loss" in logs:
+                    recorder.eval.append([state.global_step, float(logs["eval_loss"])])
+
+        return _Record()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0,
+                      target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    common = dict(
+        output_dir=args.output_dir, max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
+        max_grad_norm=args.max_grad_norm, lr_scheduler_type="constant", warmup_steps=0,
+        logging_steps=1, report_to=[], seed=args.seed, data_seed=args.seed, bf16=args.bf16,
+        deepspeed=args.deepspeed, torch_compile=args.torch_compile,
+        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        dataloader_num_workers=0,
+    )
+    if args.deepspeed and not torch.cuda.is_available():
+        common["accelerator_config"] = {"use_configured_state": _cpu_deepspeed_state()}
+    vocab = SIZES[args.size][5]
+    if args.trainer == "trl":
+        from trl import SFTConfig, SFTTrainer
+
+        targs = SFTConfig(**common, max_length=args.seq_len, packing=False,
+                          dataset_kwargs={"skip_prepare_dataset": True})
+    else:
+        from transformers import TrainingArguments
+
+        targs = TrainingArguments(**common)
+    model = build_model(args)
+    if args.model:
+        vocab = model.config.vocab_size
+    train = synthetic_dataset(64, args.seq_len, vocab, args.seed)
+    evals = synthetic_dataset(8, args.seq_len, vocab, args.seed + 1)
+    recorder = LossRecorder()
+    if args.trainer == "trl":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model) if args.model else word_tokenizer(vocab)
+        trainer = SFTTrainer(model=model, args=targs, train_dataset=train,
+                             eval_dataset=evals if args.eval_steps else None,
+                             processing_class=tokenizer, peft_config=lora,
+                             callbacks=[recorder.callback()])
+    else:
+        from transformers import Trainer
+
+        model = get_peft_model(model, lora)
+        collate = _causal_lm_collator()
+        trainer = Trainer(model=model, args=targs, train_dataset=train,
+                          eval_dataset=evals if args.eval_steps else None, data_collator=collate,
+                          callbacks=[recorder.callback()])
+    trainer.train(resume_from_checkpoint=args.resume)
+    adapter_dir = os.path.join(args.output_dir, "adapter")
+    trainer.save_model(adapter_dir)
+    if args.results and trainer.is_world_process_zero():
+        with open(args.results, "w") as f:
+            json.dump({"train_loss": recorder.train, "eval_loss": recorder.eval,
+                       "global_step": trainer.state.global_step, "adapter": adapter_dir,
+                       "trainer": args.trainer}, f)
+    return 0
+
+
+def _cpu_deepspeed_state() -> bool:
+    """DeepSpeed on CPU ranks (DS_ACCELERATOR=cpu; how CI runs this script): accelerate counts
+    DeepSpeed's ranks only when it picks a backend itself, which it does for GPUs. Configure its
+    state on gloo first (True: the trainer is to use it). DeepSpeed's shared-memory collectives
+    for CPU ranks are JIT-compiled at first use (minutes); gloo's serve here."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return False
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    return True
+
+
+def _causal_lm_collator() -> Any:
+    """Batches of equal-length sequences; labels are the inputs (the model shifts them)."""
+
+    def collate(rows: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+        ids = torch.tensor([r["input_ids"] for r in rows])
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    return collate
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""DeepCompile in a real training loop: evaluation forwards and resumed runs.
+
+Two faults of DeepSpeed's DeepCompile (0.19.0 - 0.19.8) that an HF Trainer / TRL / accelerate
+run meets, each fixed by a patch:
+
+* :data:`DEEPCOMPILE_KWARGS_DEPENDENCIES`: DeepCompile's ZeRO-3 list scheduler reads a node's
+  inputs from its positional arguments only (``list_schedule.filter_args`` and
+  ``list_schedule.get_node_requirements``; its last-use analysis, ``util.get_last_uses``, does
+  read keyword arguments). The no-grad graph of an HF Llama passes the attention mask to SDPA
+  as ``attn_mask=where``: the scheduler placed the SDPA node before the ``where`` that computes
+  its mask and failed with ``KeyError: 'where'`` (``make_graph_from_schedule``) at the first
+  evaluation of every Trainer run with ``eval_strategy`` set. With the patch keyword inputs are
+  dependencies like positional ones; for graphs without them the schedule is the same.
+* :data:`DEEPCOMPILE_RESUME_SCHEDULE`: DeepSpeed launches its compile passes when the engine's
+  ``global_steps`` equals a scheduled step (0, then 5 for the profile-driven re-plan).
+  ``load_checkpoint`` sets ``global_steps`` to the checkpoint's step, so a resumed run never
+  launched the first entry and its first forward failed in ``run_opt_passes`` (``TypeError:
+  'NoneType' object is not iterable``). With the patch, when the step count is found past the
+  next scheduled step (a checkpoint was loaded), the rest of the schedule moves by the
+  difference: a resumed run compiles at its first step and re-plans as many steps later as a
+  fresh run does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Tuple
+
+from packaging.version import Version
+
+from . import Patch, Undo
+from ._rebind import undo_all, when_module_imported, wrap_function
+
+__all__ = ["DEEPCOMPILE_KWARGS_DEPENDENCIES", "DEEPCOMPILE_RESUME_SCHEDULE", "PATCHES",
+           "node_inputs", "shift_schedule"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULE_MODULE = "deepspeed.compile.list_schedule"
+BACKEND_MODULE = "deepspeed.compile.backend"
+# Modules that hold their own reference to launch_compile_passes.
+LAUNCH_OWNERS = (BACKEND_MODULE, "deepspeed.compile.init_z3", "deepspeed.compile.init_z1",
+                 "deepspeed.compile.init_z1_and_2", "deepspeed.compile.init_z2")
+
+
+def _flat_nodes(value: Any) -> List[Any]:
+    from torch.fx.node import map_arg
+
+    found: List[Any] = []
+    map_arg(value, found.append)
+    return found
+
+
+def node_inputs(node: Any) -> List[Any]:
+    """The graph nodes ``node`` reads: in its positional arguments, then its keyword arguments."""
+    return _flat_nodes(node.args) + _flat_nodes(node.kwargs)
+
+
+def _with_kwarg_inputs(filter_args: Callable) -> Callable:
+    def filter_args_and_kwargs(node: Any) -> List[Any]:
+        found = list(filter_args(node))
+        for extra in _flat_nodes(node.kwargs):
+            if extra not in found:
+                found.append(extra)
+        return found
+
+    return filter_args_and_kwargs
+
+
+def _requirements_with_kwargs(get_node_requirements: Callable) -> Callable:
+    def node_requirements(target_node: Any, scheduled: List[Any]) -> List[Any]:
+        # Every not yet scheduled node that target_node depends on, itself included, producers
+        # before consumers: a depth-first post-order over positional then keyword inputs (the
+        # order DeepSpeed's own walk gives over positional inputs alone). Iterative: a decoder's
+        # graph is thousands of nodes deep.
+        done = set(scheduled)
+        ordered: List[Any] = []
+        visited = set()
+        stack: List[Tuple[Any, int, List[Any]]] = []
+        if target_node not in done:
+            visited.add(target_node)
+            stack.append((target_node, 0, node_inputs(target_node)))
+        while stack:
+            node, i, inputs = stack[-1]
+            if i < len(inputs):
+                stack[-1] = (node, i + 1, inputs)
+                child = inputs[i]
+                if child not in done and child not in visited:
+                    visited.add(child)
+                    stack.append((child, 0, node_inputs(child)))
+            else:
+                stack.pop()
+                ordered.append(node)
+        return ordered
+
+    return node_requirements
+
+
+def patch_kwargs_dependencies() -> Undo:
+    """DeepCompile's list scheduler counts keyword-argument inputs."""
+
+    def schedule() -> Undo:
+        import importlib
+
+        module = importlib.import_module(SCHEDULE_MODULE)
+        return undo_all([wrap_function([module], "filter_args", _with_kwarg_inputs),
+                         wrap_function([module], "get_node_requirements",
+                                       _requirements_with_kwargs)])
+
+    return when_module_imported(SCHEDULE_MODULE, schedule)
+
+
+def _rebinder(module_name: str, original: Callable, wrapper: Callable) -> Callable[[], Undo]:
+    """Points ``module_name``'s own reference to ``original`` at ``wrapper`` (and back)."""
+
+    def rebind() -> Undo:
+        import sys
+
+        module = sys.modules[module_name]
+        if getattr(module, original.__name__, None) is not original:
+            return lambda: None
+        setattr(module, original.__name__, wrapper)
+
+        def undo() -> None:
+            if getattr(module, original.__name__, None) is wrapper:
+                setattr(module, original.__name__, original)
+
+        return undo
+
+    return rebind
+
+
+def shift_schedule(schedule: Any, global_steps: int) -> int:
+    """Moves every entry of ``schedule`` (a deque of ``(step, passes)``) so that its first entry
+    is at ``global_steps``, when that entry's step is already behind it; returns the shift."""
+    if not schedule or schedule[0][0] >= global_steps:
+        return 0
+    offset = global_steps - schedule[0][0]
+    moved = [(step + offset, passes) for step, passes in schedule]
+    schedule.clear()
+    schedule.extend(moved)
+    return offset
+
+
+def _launching_after_resume(launch: Callable) -> Callable:
+    def launch_compile_passes(global_steps: int, *args: Any, **kwargs: Any) -> Any:
+        import sys
+
+        backend = sys.modules[BACKEND_MODULE]
+        schedule = getattr(backend, "remaining_schedule", None)
+        if schedule is not None:
+            first = schedule[0][0] if schedule else None
+            offset = shift_schedule(schedule, global_steps)
+            if offset:
+                log.info("DeepCompile: the engine is at step %d, past its compile schedule's "
+                         "step %d (a checkpoint was loaded): the schedule moves by %d steps, "
+                         "to %s", global_steps, first, offset, [s for s, _ in schedule])
+        return launch(global_steps, *args, **kwargs)
+
+    return launch_compile_passes
+
+
+def patch_resume_schedule() -> Undo:
+    """DeepSpeed's compile-pass schedule moves forward when the engine's step count is past it."""
+
+    def apply() -> Undo:
+        import importlib
+
+        backend = importlib.import_module(BACKEND_MODULE)
+        original = backend.launch_compile_passes
+        undos = [wrap_function([backend], "launch_compile_passes", _launching_after_resume)]
+        wrapper = backend.launch_compile_passes
+        for name in LAUNCH_OWNERS[1:]:
+            undos.append(when_module_imported(name, _rebinder(name, original, wrapper)))
+        return undo_all(undos)
+
+    return when_module_imported(BACKEND_MODULE, apply)
+
+
+DEEPCOMPILE_KWARGS_DEPENDENCIES = Patch(
+    name="deepcompile-kwargs-dependencies",
+    summary="DeepCompile's ZeRO-3 scheduler counts tensors passed by keyword as dependencies "
+            "(an HF model's evaluation graph failed with KeyError 'where')",
+    apply=patch_kwargs_dependencies,
+    first=Version("0.19.0"),
+    last=None,
+)
+
+DEEPCOMPILE_RESUME_SCHEDULE = Patch(
+    name="deepcompile-resume-schedule",
+    summary="after load_checkpoint, DeepCompile's compile passes start at the resumed step "
+            "(the first forward failed: next_passes None)",
+    apply=patch_resume_schedule,
+    first=Version("0.19.0"),
+    last=None,
+)
+
+PATCHES: List[Patch] = [DEEPCOMPILE_KWARGS_DEPENDENCIES, DEEPCOMPILE_RESUME_SCHEDULE]

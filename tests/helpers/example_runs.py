@@ -1,0 +1,74 @@
+"""Run ``examples/sft_lora.py`` the way its README commands do (``torchrun`` or ``accelerate
+launch``, ``DS_Z3NATIVE`` in the environment) and read what it reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+from ds_z3native._net import free_port
+
+__all__ = ["ROOT", "EXAMPLE", "DS_Z3", "DS_Z3_DEEPCOMPILE", "ACCELERATE_CONFIG", "run_example",
+           "zero0_config", "adapter_tensors"]
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "sft_lora.py"
+DS_Z3 = ROOT / "examples" / "ds_z3.json"
+DS_Z3_DEEPCOMPILE = ROOT / "examples" / "ds_z3_deepcompile.json"
+ACCELERATE_CONFIG = ROOT / "examples" / "accelerate_zero3.yaml"
+TIMEOUT_S = 1200
+
+
+def run_example(out: Path, name: str, args: Sequence[str], ds_z3native: Optional[str] = "1",
+                nproc: int = 2, launcher: str = "torchrun", expect_ok: bool = True,
+                env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """One run of the example into ``out/name`` (its log ``out/name.log``); the JSON it wrote,
+    with ``log`` (the log's last 4000 characters) and ``rc``. ``expect_ok``: a failed run fails
+    the test with its log."""
+    run_env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                            "DS_Z3NATIVE")}
+    run_env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
+                   TORCHINDUCTOR_CACHE_DIR=str(out / "inductor-cache"), **(env or {}))
+    if ds_z3native is not None:
+        run_env["DS_Z3NATIVE"] = ds_z3native
+    port = str(free_port())
+    if launcher == "accelerate":
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ACCELERATE_CONFIG), "--num_processes", str(nproc), "--main_process_port", port]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={port}"]
+    results = out / f"{name}.json"
+    cmd += [str(EXAMPLE), *args, "--output-dir", str(out / name), "--results", str(results)]
+    log_path = out / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env, cwd=ROOT,
+                              timeout=TIMEOUT_S)
+    log_tail = log_path.read_text()[-4000:]
+    if expect_ok:
+        assert proc.returncode == 0 and results.exists(), \
+            f"{name}: rc {proc.returncode}\n{' '.join(cmd)}\n{log_tail}"
+    result: Dict[str, Any] = json.loads(results.read_text()) if results.exists() else {}
+    result.update(rc=proc.returncode, log=log_tail)
+    return result
+
+
+def zero0_config(out: Path) -> Path:
+    """examples/ds_z3.json at ZeRO stage 0 (the unsharded reference), written under ``out``."""
+    config = json.loads(DS_Z3.read_text())
+    config["zero_optimization"] = {"stage": 0}
+    path = out / "ds_z0.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def adapter_tensors(result: Dict[str, Any]) -> Dict[str, Any]:
+    """The LoRA tensors a run saved (``trainer.save_model``), by name."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(result["adapter"]) / "adapter_model.safetensors"))

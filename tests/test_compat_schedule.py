@@ -1,0 +1,179 @@
+"""The ``deepcompile-kwargs-dependencies`` and ``deepcompile-resume-schedule`` patches, on
+DeepSpeed's own scheduler functions (the end-to-end runs through HF Trainer are in
+tests/test_trainers.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, List
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ds_z3native
+
+pytestmark = pytest.mark.deepspeed
+
+deepspeed = pytest.importorskip("deepspeed")
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    # The shape of an HF model's evaluation graph: the mask is computed in the graph and reaches
+    # SDPA by keyword.
+    mask = torch.where(keep, 0.0, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * 2
+
+
+def _graph() -> Any:
+    return torch.fx.symbolic_trace(_attention).graph
+
+
+def _node(graph: Any, prefix: str) -> Any:
+    return next(n for n in graph.nodes if n.name.startswith(prefix))
+
+
+SCHEDULE_PATCHES = ("deepcompile-kwargs-dependencies", "deepcompile-resume-schedule")
+
+
+@pytest.fixture
+def installed() -> Iterator[None]:
+    ds_z3native.uninstall()
+    ds_z3native.install()
+    try:
+        yield
+    finally:
+        ds_z3native.uninstall()
+
+
+@pytest.fixture
+def weak(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """install() without the two patches (our op in DeepSpeed's loader: nothing is JIT-built)."""
+    from ds_z3native.compat import registry
+
+    every = registry.all_patches
+    monkeypatch.setattr(registry, "all_patches",
+                        lambda: [p for p in every() if p.name not in SCHEDULE_PATCHES])
+    ds_z3native.uninstall()
+    ds_z3native.install()
+    try:
+        yield
+    finally:
+        ds_z3native.uninstall()
+
+
+def _names(nodes: List[Any]) -> List[str]:
+    return [n.name for n in nodes]
+
+
+def _scheduler_view(graph: Any) -> Any:
+    from deepspeed.compile import list_schedule, util
+
+    sdpa, where = _node(graph, "scaled_dot_product"), _node(graph, "where")
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    # DeepSpeed's last-use analysis reads keyword arguments (the scheduler's frees rely on it).
+    assert util.get_last_uses(graph)[0][where] is sdpa
+    return (_names(list_schedule.filter_args(sdpa)),
+            _names(list_schedule.get_node_requirements(sdpa, placeholders)))
+
+
+def test_deepspeeds_scheduler_misses_a_keyword_input_without_the_patch(weak: None) -> None:
+    # The weak behaviour: SDPA looks runnable before the `where` computing its mask.
+    inputs, requirements = _scheduler_view(_graph())
+    assert inputs == ["q", "k", "v"]
+    assert requirements == ["scaled_dot_product_attention"]
+
+
+def test_keyword_inputs_are_dependencies_and_uses(installed: None) -> None:
+    inputs, requirements = _scheduler_view(_graph())
+    assert inputs == ["q", "k", "v", "where"]
+    # Producers before consumers; placeholders are already scheduled.
+    assert requirements == ["where", "scaled_dot_product_attention"]
+
+
+def test_graphs_without_keyword_inputs_are_scheduled_as_before(installed: None) -> None:
+    from deepspeed.compile import list_schedule
+
+    def chain(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(x) + y
+        b = a.view(-1) * 3
+        return torch.cat([b, a.view(-1)]) + x.view(-1)
+
+    graph = torch.fx.symbolic_trace(chain).graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    out = [n for n in graph.nodes if n.op == "output"][0].args[0]
+    ours = _names(list_schedule.get_node_requirements(out, placeholders))
+    theirs = _names(list_schedule.get_node_requirements.__wrapped__(out, placeholders))
+    assert ours == theirs
+    assert ours[-1] == out.name and len(ours) == len(graph.nodes) - 3  # - x, y, output
+    for node in graph.nodes:
+        assert list_schedule.filter_args(node) == list_schedule.filter_args.__wrapped__(node)
+
+
+def test_a_deep_graph_needs_no_recursion(installed: None) -> None:
+    from deepspeed.compile import list_schedule
+
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    first = node
+    for _ in range(5000):
+        node = graph.call_function(torch.relu, (node,))
+    graph.output(node)
+    assert len(list_schedule.get_node_requirements(node, [first])) == 5000
+
+
+@pytest.fixture
+def schedule_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    from deepspeed.compile import backend
+
+    # Its log line asks the process group for the rank; there is none in this process.
+    monkeypatch.setattr(backend, "log_rank0", lambda *args, **kwargs: None)
+    saved = (backend.remaining_schedule, backend.next_passes)
+    yield backend
+    backend.remaining_schedule, backend.next_passes = saved
+
+
+def _first_pass() -> None: ...
+
+
+def _replan_pass() -> None: ...
+
+
+def test_a_resumed_step_count_starts_the_schedule(installed: None, schedule_module: Any) -> None:
+    backend = schedule_module
+    backend.next_passes = None
+    backend.init_schedule([(0, [_first_pass]), (5, [_first_pass, _replan_pass])])
+    backend.launch_compile_passes(6)  # the first forward after load_checkpoint at step 6
+    assert backend.next_passes == [_first_pass]
+    assert [s for s, _ in backend.remaining_schedule] == [11]
+    for step in (7, 8, 9, 10):
+        backend.launch_compile_passes(step)
+        assert backend.next_passes == [_first_pass]
+    backend.launch_compile_passes(11)
+    assert backend.next_passes == [_first_pass, _replan_pass]
+    assert len(backend.remaining_schedule) == 0
+
+
+def test_a_fresh_run_keeps_deepspeeds_schedule(installed: None, schedule_module: Any) -> None:
+    backend = schedule_module
+    backend.init_schedule([(0, [_first_pass]), (5, [_replan_pass])])
+    for step in range(5):
+        backend.launch_compile_passes(step)
+        assert backend.next_passes == [_first_pass]
+    backend.launch_compile_passes(5)
+    assert backend.next_passes == [_replan_pass]
+
+
+def test_without_the_patch_a_resumed_run_has_no_passes(weak: None, schedule_module: Any) -> None:
+    backend = schedule_module
+    backend.next_passes = None
+    backend.init_schedule([(0, [_first_pass]), (5, [_replan_pass])])
+    backend.launch_compile_passes(6)
+    assert backend.next_passes is None  # run_opt_passes then iterates None: the TypeError
+
+
+def test_the_engines_bound_launcher_is_the_patched_one(installed: None) -> None:
+    # init_z3 binds launch_compile_passes from its own module namespace at engine.compile().
+    from deepspeed.compile import backend, init_z3
+
+    assert init_z3.launch_compile_passes is backend.launch_compile_passes
+    assert backend.launch_compile_passes.__wrapped__ is not None

@@ -76,6 +76,13 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
     "gloo-collectives-outside-python-dispatch": [
         ("deepspeed.comm.torch", "TorchBackend.all_gather_into_tensor", ("self",)),
         ("deepspeed.comm.torch", "TorchBackend.reduce_scatter_tensor", ("self",))],
+    "deepcompile-kwargs-dependencies": [
+        ("deepspeed.compile.list_schedule", "filter_args", ("node",)),
+        ("deepspeed.compile.list_schedule", "get_node_requirements", ("target_node", "scheduled"))],
+    "deepcompile-resume-schedule": [
+        ("deepspeed.compile.backend", "launch_compile_passes", ("global_steps",)),
+        ("deepspeed.compile.backend", "remaining_schedule", None),
+        ("deepspeed.compile.backend", "init_schedule", ("schedule",))],
     "deepcompile-cpu-device": [
         ("deepspeed.accelerator.cpu_accelerator", "CPU_Accelerator.current_device", ("self",))],
     "checkpoint_recompute_frozen": _RECOMPUTE,

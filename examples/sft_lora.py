@@ -63,15 +63,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def synthetic_dataset(n: int, seq_len: int, vocab: int, seed: int) -> Any:
-    """Counting sequences (t[i+1] = t[i] + stride mod vocab) from a few starts: learnable fast."""
-    from datasets import Dataset
-
+def synthetic_dataset(n: int, seq_len: int, vocab: int, seed: int) -> List[Dict[str, List[int]]]:
+    """Counting sequences (t[i+1] = t[i] + stride mod vocab) from random starts: rows of
+    ``input_ids`` (any sized sequence of dicts serves HF Trainer; TRL takes a datasets.Dataset)."""
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, vocab, (n,), generator=g)
     strides = torch.randint(1, 7, (n,), generator=g)
     ids = (starts[:, None] + strides[:, None] * torch.arange(seq_len)[None, :]) % vocab
-    return Dataset.from_dict({"input_ids": ids.tolist()})
+    return [{"input_ids": row} for row in ids.tolist()]
 
 
 def word_tokenizer(vocab: int) -> Any:
@@ -88,16 +87,20 @@ def word_tokenizer(vocab: int) -> Any:
 
 
 def build_model(args: argparse.Namespace) -> Any:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if args.model:
+        # Under ZeRO-3 transformers loads the weights straight into partitions (zero.Init).
         return AutoModelForCausalLM.from_pretrained(args.model)
     hidden, inter, layers, heads, kv, vocab = SIZES[args.size]
     config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
                          max_position_embeddings=max(args.seq_len, 128), tie_word_embeddings=False)
+    # Random weights drawn whole, the same at every rank and every ZeRO stage
+    # (AutoModelForCausalLM.from_config would draw them inside zero.Init's partitioning);
+    # deepspeed.initialize partitions them.
     torch.manual_seed(args.seed)
-    return AutoModelForCausalLM.from_config(config)
+    return LlamaForCausalLM(config)
 
 
 class LossRecorder:
@@ -164,9 +167,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.trainer == "trl":
         from transformers import AutoTokenizer
 
+        from datasets import Dataset
+
         tokenizer = AutoTokenizer.from_pretrained(args.model) if args.model else word_tokenizer(vocab)
-        trainer = SFTTrainer(model=model, args=targs, train_dataset=train,
-                             eval_dataset=evals if args.eval_steps else None,
+        trainer = SFTTrainer(model=model, args=targs, train_dataset=Dataset.from_list(train),
+                             eval_dataset=Dataset.from_list(evals) if args.eval_steps else None,
                              processing_class=tokenizer, peft_config=lora,
                              callbacks=[recorder.callback()])
     else:

@@ -8,12 +8,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
 
 from ds_z3native._net import free_port
 
 __all__ = ["ROOT", "EXAMPLE", "DS_Z3", "DS_Z3_DEEPCOMPILE", "ACCELERATE_CONFIG", "run_example",
-           "zero0_config", "adapter_tensors"]
+           "zero0_config", "adapter_tensors", "losses_by_step", "assert_same_training", "load_example"]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sft_lora.py"
@@ -25,15 +27,18 @@ TIMEOUT_S = 1200
 
 def run_example(out: Path, name: str, args: Sequence[str], ds_z3native: Optional[str] = "1",
                 nproc: int = 2, launcher: str = "torchrun", expect_ok: bool = True,
-                env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+                env: Optional[Mapping[str, str]] = None, device: str = "cpu") -> Dict[str, Any]:
     """One run of the example into ``out/name`` (its log ``out/name.log``); the JSON it wrote,
     with ``log`` (the log's last 4000 characters) and ``rc``. ``expect_ok``: a failed run fails
-    the test with its log."""
+    the test with its log. ``device="cpu"``: DeepSpeed's CPU accelerator, gloo (CUDA hidden);
+    ``"cuda"``: one GPU per rank."""
     run_env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                             "DS_Z3NATIVE")}
-    run_env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
-                   TORCHINDUCTOR_CACHE_DIR=str(out / "inductor-cache"), **(env or {}))
+    if device == "cpu":
+        run_env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    run_env.update(PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(out / "inductor-cache"),
+                   **(env or {}))
     if ds_z3native is not None:
         run_env["DS_Z3NATIVE"] = ds_z3native
     port = str(free_port())
@@ -58,6 +63,16 @@ def run_example(out: Path, name: str, args: Sequence[str], ds_z3native: Optional
     return result
 
 
+def load_example() -> Any:
+    """examples/sft_lora.py as a module (its model, data and argument parsing)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sft_lora_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def zero0_config(out: Path) -> Path:
     """examples/ds_z3.json at ZeRO stage 0 (the unsharded reference), written under ``out``."""
     config = json.loads(DS_Z3.read_text())
@@ -72,3 +87,29 @@ def adapter_tensors(result: Dict[str, Any]) -> Dict[str, Any]:
     from safetensors.torch import load_file
 
     return load_file(str(Path(result["adapter"]) / "adapter_model.safetensors"))
+
+
+def losses_by_step(result: Dict[str, Any], key: str = "train_loss") -> Dict[int, float]:
+    """What a run logged under ``key`` (``train_loss`` or ``eval_loss``), by global step."""
+    return {int(step): loss for step, loss in result[key]}
+
+
+def assert_same_training(ours: Dict[str, Any], ref: Dict[str, Any], steps: List[int], rtol: float = 1e-4,
+                 atol: float = 1e-5) -> None:
+    """Logged losses at ``steps``, the evaluation losses at those steps and the saved adapter
+    equal."""
+    a, b = losses_by_step(ours), losses_by_step(ref)
+    assert set(steps) <= set(a) and set(steps) <= set(b), (sorted(a), sorted(b))
+    torch.testing.assert_close(torch.tensor([a[s] for s in steps]),
+                               torch.tensor([b[s] for s in steps]), rtol=rtol, atol=atol)
+    ea, eb = losses_by_step(ours, "eval_loss"), losses_by_step(ref, "eval_loss")
+    evals = [s for s in eb if s in steps]
+    assert evals and sorted(ea) == evals, (sorted(ea), sorted(eb))
+    torch.testing.assert_close(torch.tensor([ea[s] for s in evals]),
+                               torch.tensor([eb[s] for s in evals]), rtol=rtol, atol=atol)
+    got, want = adapter_tensors(ours), adapter_tensors(ref)
+    assert got.keys() == want.keys() and len(got) > 0
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=name)
+    # The adapter moved away from its initial value (lora_B starts at zero): it was trained.
+    assert any(float(t.abs().max()) > 0 for n, t in got.items() if "lora_B" in n)

@@ -219,6 +219,7 @@ def test_a_graph_the_runtime_cannot_alias_keeps_deepspeeds_id(caplog) -> None:  
 
 
 @pytest.mark.deepspeed
+@pytest.mark.release_matrix
 def test_deepspeeds_aot_wiring_hands_inductor_canonical_ids() -> None:
     # Through DeepSpeed's own call site: patch_create_aot_dispatcher_function makes AotAutograd's
     # constructor build the forward, backward and inference compilers with the module's

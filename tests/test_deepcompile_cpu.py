@@ -64,6 +64,7 @@ def _assert_same_training(ours: Dict[str, Any], ref: Dict[str, Any], rtol: float
 
 
 @needs_cpu_deepcompile
+@pytest.mark.release_matrix
 def test_frozen_layer_run_eagerly_is_gathered_and_trains_like_eager() -> None:
     # The frozen Linear runs outside Dynamo (torch._dynamo.disable): its weight must be gathered
     # for the forward and kept for the backward of the trainable layer before it.
@@ -118,6 +119,7 @@ def test_trainable_param_read_eagerly_is_refused_by_name() -> None:
 
 
 @needs_cpu_deepcompile
+@pytest.mark.release_matrix
 def test_hf_llama_lora_nonreentrant_checkpointing_trains_like_eager_zero3() -> None:
     common = ("--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant")
     ours = _ok(run(*common))

@@ -64,6 +64,7 @@ def _show(r: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.deepspeed
 @pytest.mark.slow
+@pytest.mark.release_matrix
 def test_readme_demo_command_trains() -> None:
     """The README's demo command, as written: 2 gloo ranks, ZeRO-3, non-reentrant checkpointing,
     install() applied: exit 0, a progress bar, every loss finite, and the loss falls."""

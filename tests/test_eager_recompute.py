@@ -414,6 +414,7 @@ def test_ours_one_rank() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.release_matrix
 def test_install_two_ranks() -> None:
     """What install() applies for the running DeepSpeed, at world size 2."""
     results = run_ranks(run_group, 2, "install", PATCHED_CASES, timeout=RANK_TIMEOUT)
@@ -426,6 +427,7 @@ def test_install_two_ranks() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.release_matrix
 def test_unpatched_deepspeed_fails() -> None:
     """DeepSpeed alone: the seed reproduction raises CheckpointError before 0.19.3; from 0.19.3
     recomputed frozen params stay gathered past their last use when the block's own op starts the

@@ -19,7 +19,7 @@ from ds_z3native import installer
 from ds_z3native.compat import registry
 from helpers.dist import run_python
 
-pytestmark = pytest.mark.deepspeed
+pytestmark = [pytest.mark.deepspeed, pytest.mark.release_matrix]
 
 deepspeed = pytest.importorskip("deepspeed")
 from deepspeed.compile import util as ds_util  # noqa: E402

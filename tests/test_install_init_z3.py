@@ -125,6 +125,7 @@ def _installed_scenario(rank: int, world_size: int) -> Dict[str, Any]:
     return out
 
 
+@pytest.mark.release_matrix
 def test_init_z3_registers_frozen_and_trainable_params_with_install() -> None:
     results = run_ranks(_installed_scenario, WORLD, timeout=600)
     for rank, r in enumerate(results):

@@ -21,9 +21,10 @@ from setuptools.command.build_py import build_py
 try:
     import torch
     from torch.utils import cpp_extension
-except ImportError:  # pragma: no cover - a build-time message
-    sys.exit("ds_z3native builds against your installed torch: install torch first, then "
-             "run `pip install --no-build-isolation -e .`")
+except ImportError as e:  # pragma: no cover - a build-time message
+    sys.exit(f"ds_z3native builds against the torch of the interpreter running the build "
+             f"({sys.executable}), which cannot import it ({e}): install torch there first, then "
+             "run `python -m pip install --no-build-isolation -e .` with that interpreter")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")

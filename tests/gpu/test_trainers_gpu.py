@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed]
 
 COMMON = ["--max-steps", "8", "--eval-steps", "4", "--grad-accum", "2", "--max-grad-norm", "0.5"]
 DC = ["--deepspeed", str(DS_Z3_DEEPCOMPILE), "--torch-compile"]
-# fp32 on the GPU: inductor's fused kernels sum in another order than eager's.
-TOL = dict(rtol=2e-4, atol=2e-5)
+# fp32 on the GPU: inductor's fused kernels sum in another order than eager's (losses agree to
+# about 1e-6 relative); the adapters are compared as Adam moves them (lr 1e-3, 8 steps).
+TOL: Dict[str, Any] = dict(rtol=2e-4, atol=2e-5, adam=(1e-3, 8))
 
 
 def _run(out: Path, name: str, args: Any, **kwargs: Any) -> Dict[str, Any]:

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -94,10 +94,16 @@ def losses_by_step(result: Dict[str, Any], key: str = "train_loss") -> Dict[int,
     return {int(step): loss for step, loss in result[key]}
 
 
-def assert_same_training(ours: Dict[str, Any], ref: Dict[str, Any], steps: List[int], rtol: float = 1e-4,
-                 atol: float = 1e-5) -> None:
+def assert_same_training(ours: Dict[str, Any], ref: Dict[str, Any], steps: List[int],
+                         rtol: float = 1e-4, atol: float = 1e-5,
+                         adam: Optional[Tuple[float, int]] = None) -> None:
     """Logged losses at ``steps``, the evaluation losses at those steps and the saved adapter
-    equal."""
+    equal within ``rtol``/``atol``. ``adam=(lr, steps)``: the adapters are compared as Adam
+    moves them instead (where kernels round differently, as on the GPU): Adam steps each weight by
+    about ``lr`` whatever its gradient's size, so a weight whose gradient is near zero can move
+    the other way in one run; each differs by at most ``2 * lr * steps``, and the LoRA B weights
+    (zero at the start: their value is what training did) differ on average by under 5% of their
+    mean size."""
     a, b = losses_by_step(ours), losses_by_step(ref)
     assert set(steps) <= set(a) and set(steps) <= set(b), (sorted(a), sorted(b))
     torch.testing.assert_close(torch.tensor([a[s] for s in steps]),
@@ -109,7 +115,16 @@ def assert_same_training(ours: Dict[str, Any], ref: Dict[str, Any], steps: List[
                                torch.tensor([eb[s] for s in evals]), rtol=rtol, atol=atol)
     got, want = adapter_tensors(ours), adapter_tensors(ref)
     assert got.keys() == want.keys() and len(got) > 0
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=name)
+    if adam is None:
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol)
+    else:
+        lr, n = adam
+        worst = max(float((got[k].float() - want[k].float()).abs().max()) for k in want)
+        assert worst <= 2 * lr * n, f"largest adapter difference {worst:.3g} > 2 * {lr} * {n}"
+        b = [k for k in want if "lora_B" in k]
+        diff = sum(float((got[k].float() - want[k].float()).abs().sum()) for k in b)
+        size = sum(float(want[k].float().abs().sum()) for k in b)
+        assert diff <= 0.05 * size, f"LoRA B mean difference {diff / size:.3g} of their size"
     # The adapter moved away from its initial value (lora_B starts at zero): it was trained.
     assert any(float(t.abs().max()) > 0 for n, t in got.items() if "lora_B" in n)

@@ -1,13 +1,40 @@
 #!/usr/bin/env bash
 # The project's test command (README, .ci/run): native gtest suite through CMake/ctest, then the
 # pytest suite with the installed DeepSpeed, then the DeepSpeed-driving tests again on DeepSpeed
-# 0.19.2 (fetched once into .cache/ds-0.19.2 with pip --target; nothing else is installed).
+# 0.19.2, then the release matrix: the tests marked release_matrix on every other supported
+# release (0.19.0, 0.19.1, 0.19.3 - 0.19.7). Each release is fetched once into .cache/ds-X with
+# pip --target (no deps; nothing else is installed).
 # Needs: torch, DeepSpeed 0.19.x, `pip install --no-build-isolation -e ".[test]"`, libgtest-dev.
+#
+# The matrix runs the subset's fast tests on every release and its slow ones (seed reproductions,
+# demo, DeepCompile's registration, DeepCompile on the CPU from 0.19.3) on one release a day,
+# chosen by the day of the year (each release once a week), to stay within ~8 minutes on 2 cores.
+# DSZ_MATRIX_FULL="0.19.0 0.19.5" picks the releases that get the slow tests too ("all": every
+# one), DSZ_MATRIX=off skips the matrix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 jobs=$(nproc 2>/dev/null || echo 2)
 t0=$(date +%s)
+
+fetch_deepspeed() {  # version, directory
+  if [ ! -f "$2/deepspeed/__init__.py" ]; then
+    echo "== fetching DeepSpeed $1 into $2 (pip --target, no deps)"
+    python -m pip install -q --no-deps --target "$2" "deepspeed==$1"
+  fi
+}
+with_deepspeed() {  # directory, command...: the command with that DeepSpeed first on the path
+  local dir; dir=$(cd "$1" && pwd); shift
+  PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$@"
+}
+
+# The matrix's releases are fetched in the background while the suites before it run.
+releases=(0.19.0 0.19.1 0.19.3 0.19.4 0.19.5 0.19.6 0.19.7)
+if [ "${DSZ_MATRIX:-on}" != off ]; then
+  mkdir -p .cache
+  (for v in "${releases[@]}"; do fetch_deepspeed "$v" ".cache/ds-$v"; done) >.cache/fetch.log 2>&1 &
+  fetching=$!
+fi
 
 echo "== native core: gtest via CMake + ctest"
 build=${DSZ_CMAKE_BUILD:-build/cmake}
@@ -22,11 +49,33 @@ python -m pytest tests -q -m "not gpu" -p no:cacheprovider
 echo "   ($(( $(date +%s) - t0 )) s so far)"
 
 ds_old=${DSZ_DEEPSPEED_OLD_DIR:-.cache/ds-0.19.2}
-if [ ! -f "$ds_old/deepspeed/__init__.py" ]; then
-  echo "== fetching DeepSpeed 0.19.2 into $ds_old (pip --target, no deps)"
-  python -m pip install -q --no-deps --target "$ds_old" deepspeed==0.19.2
-fi
+fetch_deepspeed 0.19.2 "$ds_old"
 echo "== pytest -m deepspeed (DeepSpeed 0.19.2 from $ds_old)"
-PYTHONPATH="$(cd "$ds_old" && pwd)${PYTHONPATH:+:$PYTHONPATH}" \
-  python -m pytest tests -q -m "deepspeed and not gpu" -p no:cacheprovider
+with_deepspeed "$ds_old" python -m pytest tests -q -m "deepspeed and not gpu" -p no:cacheprovider
+echo "   ($(( $(date +%s) - t0 )) s so far)"
+
+if [ "${DSZ_MATRIX:-on}" != off ]; then
+  t1=$(date +%s)
+  if ! wait "$fetching"; then
+    cat .cache/fetch.log
+    exit 1
+  fi
+  if [ -n "${DSZ_MATRIX_FULL:-}" ]; then
+    full=" ${DSZ_MATRIX_FULL} "
+  else
+    day=$((10#$(date -u +%j)))
+    full=" ${releases[$(( day % ${#releases[@]} ))]} "
+  fi
+  echo "== release matrix: slow tests on${full}(day $(date -u +%j) of the year), fast ones on every release"
+  for v in "${releases[@]}"; do
+    if [ "$full" = " all " ] || [[ "$full" == *" $v "* ]]; then
+      select="release_matrix and not gpu"
+    else
+      select="release_matrix and not slow and not gpu"
+    fi
+    echo "== pytest -m '$select' (DeepSpeed $v from .cache/ds-$v)"
+    with_deepspeed ".cache/ds-$v" python -m pytest tests -q -m "$select" -p no:cacheprovider
+  done
+  echo "   (release matrix: $(( $(date +%s) - t1 )) s)"
+fi
 echo "== all suites passed in $(( $(date +%s) - t0 )) s"

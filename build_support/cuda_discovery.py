@@ -3,11 +3,13 @@
 ds_z3native's sources are C++ only (no .cu files), so the CUDA flavour needs the CUDA runtime's
 headers and ``libcudart``, NCCL's ``nccl.h`` and ``libnccl``, and no nvcc. They come from
 
-* a CUDA toolkit, used only when ``<root>/include/cuda_runtime_api.h`` and a ``libcudart.so*``
-  are really there (a ``CUDA_HOME`` guessed from an ``nvcc`` wrapper script in some ``bin/``
+* a CUDA toolkit, used only when ``<root>/include/cuda_runtime_api.h``, the C runtime headers it
+  includes (``include/crt/``) and a ``libcudart.so*`` are really there (a ``CUDA_HOME`` guessed from an ``nvcc`` wrapper script in some ``bin/``
   directory outside the toolkit has neither), and its CUDA major version is torch's;
 * otherwise the nvidia-* wheels torch's CUDA wheel installs beside it (``nvidia/cuda_runtime``,
-  ``nvidia/nccl``; CUDA 13's combined ``nvidia/cu13``).
+  ``nvidia/nccl``; CUDA 13's combined ``nvidia/cu13``). CUDA 13's runtime wheel lacks the C
+  runtime headers (``crt/``, in the ``nvidia-cuda-crt`` wheel, 134 KB), which torch's wheel does
+  not install: seen with torch 2.11+cu130, whose build then failed on crt/host_config.h.
 
 With neither, the CPU flavour, with one line saying why and how to get CUDA. Every function here
 is pure over the paths and environment it is given (no torch, no globals), so the decision can be
@@ -116,6 +118,11 @@ def runtime_at(root: str, kind: str) -> Tuple[Optional[CudaRuntime], str]:
     include_dir = os.path.join(root, "include")
     if not os.path.isfile(os.path.join(include_dir, "cuda_runtime_api.h")):
         return None, f"{root}: no include/cuda_runtime_api.h"
+    # cuda_runtime_api.h includes CUDA's C runtime headers; CUDA 13 moved them out of the
+    # runtime wheel into nvidia-cuda-crt, which torch's wheel does not install.
+    if not os.path.isfile(os.path.join(include_dir, "crt", "host_defines.h")):
+        return None, (f"{root}: cuda_runtime_api.h but no include/crt/host_defines.h (CUDA's C "
+                      "runtime headers: the nvidia-cuda-crt wheel)")
     for sub in _LIB_SUBDIRS:
         library_dir = os.path.join(root, sub)
         library = _shared_library(library_dir, "libcudart")
@@ -232,7 +239,8 @@ def find_nccl(environ: Mapping[str, str], site_dirs: Sequence[str],
 def _cuda_hint(torch_cuda: str) -> str:
     major = _major(torch_cuda)
     if major and int(major) >= 13:
-        wheels = f"'nvidia-cuda-runtime=={major}.*' nvidia-nccl-cu{major}"
+        wheels = (f"'nvidia-cuda-runtime=={torch_cuda}.*' 'nvidia-cuda-crt=={torch_cuda}.*' "
+                  f"nvidia-nccl-cu{major}")
     else:
         wheels = f"nvidia-cuda-runtime-cu{major} nvidia-nccl-cu{major}"
     return (f"for the CUDA flavour `pip install {wheels}` (what torch's CUDA wheel from PyPI "

@@ -45,6 +45,7 @@ def _header(cudart: int) -> str:
 
 def _toolkit(root: Path, cudart: int = 13000, lib: str = "lib64") -> Path:
     _touch(root / "include" / "cuda_runtime_api.h", _header(cudart))
+    _touch(root / "include" / "crt" / "host_defines.h")
     _touch(root / lib / "libcudart.so")
     _touch(root / lib / f"libcudart.so.{cudart // 1000}")
     nvcc = _touch(root / "bin" / "nvcc", "#!/bin/sh\n")
@@ -61,15 +62,19 @@ def _wrapper_nvcc(bin_dir: Path, target: str) -> Path:
 
 def _cu12_wheels(site: Path) -> Path:
     _touch(site / "nvidia" / "cuda_runtime" / "include" / "cuda_runtime_api.h", _header(12080))
+    _touch(site / "nvidia" / "cuda_runtime" / "include" / "crt" / "host_defines.h")
     _touch(site / "nvidia" / "cuda_runtime" / "lib" / "libcudart.so.12")
     _touch(site / "nvidia" / "nccl" / "include" / "nccl.h")
     _touch(site / "nvidia" / "nccl" / "lib" / "libnccl.so.2")
     return site
 
 
-def _cu13_wheels(site: Path) -> Path:
-    """CUDA 13's layout: the runtime in nvidia/cu13, only versioned libraries."""
+def _cu13_wheels(site: Path, crt: bool = True) -> Path:
+    """CUDA 13's layout: the runtime in nvidia/cu13, only versioned libraries; the C runtime
+    headers (crt/) come from the nvidia-cuda-crt wheel, into the same directory."""
     _touch(site / "nvidia" / "cu13" / "include" / "cuda_runtime_api.h", _header(13000))
+    if crt:
+        _touch(site / "nvidia" / "cu13" / "include" / "crt" / "host_defines.h")
     _touch(site / "nvidia" / "cu13" / "lib" / "libcudart.so.13")
     _touch(site / "nvidia" / "cu13" / "lib" / "libcudart_static.a")
     _touch(site / "nvidia" / "nccl" / "include" / "nccl.h")
@@ -180,7 +185,8 @@ def test_neither_toolkit_nor_wheels_builds_cpu_with_one_line_saying_why_and_how(
     assert "torch 2.14.1+cu130 has CUDA 13.0" in plan.message
     assert f"{prefix}: no include/cuda_runtime_api.h" in plan.message
     assert "refused at init()" in plan.message
-    assert "pip install 'nvidia-cuda-runtime==13.*' nvidia-nccl-cu13" in plan.message
+    assert ("pip install 'nvidia-cuda-runtime==13.0.*' 'nvidia-cuda-crt==13.0.*' nvidia-nccl-cu13"
+            in plan.message)
     assert "CUDA_HOME" in plan.message
 
 
@@ -264,3 +270,17 @@ def test_setup_py_builds_what_the_plan_says_for_this_torch() -> None:
         assert got["macros"]["DSZ_CPU_REASON"] == f'"{got["reason"]}"'
         if torch.version.cuda is None:
             assert got["reason"] == "cpu-torch"
+
+
+def test_cuda13_wheels_without_the_c_runtime_headers_build_cpu_and_say_which_wheel(
+        tmp_path: Path) -> None:
+    # torch 2.11+cu130's wheels as installed on a GPU machine: nvidia/cu13 has cuda_runtime_api.h
+    # but not crt/host_defines.h, which it includes (the CUDA build failed there).
+    site = _cu13_wheels(tmp_path / "site", crt=False)
+    plan = cd.plan_build("2.11.0+cu130", "13.0", _env(), [str(site)], root=str(tmp_path))
+    assert plan.flavour == "cpu" and plan.warning and plan.cpu_reason == "no-cuda-runtime"
+    assert "no include/crt/host_defines.h" in plan.message
+    assert "'nvidia-cuda-crt==13.0.*'" in plan.message
+    _touch(site / "nvidia" / "cu13" / "include" / "crt" / "host_defines.h")
+    plan = cd.plan_build("2.11.0+cu130", "13.0", _env(), [str(site)], root=str(tmp_path))
+    assert plan.flavour == "cuda" and plan.runtime.kind == "wheels"

@@ -205,7 +205,9 @@ setup(
     install_requires=["torch>=2.6", "packaging"],
     extras_require={
         # scipy: DeepCompile's prefetch pass interpolates its all-gather profile with it.
-        "test": ["pytest>=7", "expecttest", "deepspeed>=0.19.0,<0.20", "scipy>=1.7"],
+        # accelerate and trl: the trainer tests drive HF Trainer and TRL's SFTTrainer.
+        "test": ["pytest>=7", "expecttest", "deepspeed>=0.19.0,<0.20", "scipy>=1.7",
+                 "accelerate>=1.0", "trl>=0.20"],
         "demo": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12", "tqdm>=4.60",
                  "scipy>=1.7"],
         "bench": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12",

@@ -93,7 +93,6 @@ def test_hf_trainer_zero3_without_ds_z3native_fails_on_old_deepspeed(out: Path) 
 
 
 def test_trl_sft_trainer_zero3_matches_zero0(out: Path) -> None:
-    pytest.importorskip("trl")
     args = ["--trainer", "trl", "--max-steps", "4", "--eval-steps", "4"]
     ref = run_example(out, "trl-z0", ["--deepspeed", str(zero0_config(out)), *args],
                       ds_z3native=None)

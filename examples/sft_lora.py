@@ -190,6 +190,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump({"train_loss": recorder.train, "eval_loss": recorder.eval,
                        "global_step": trainer.state.global_step, "adapter": adapter_dir,
                        "trainer": args.trainer}, f)
+    if not torch.cuda.is_available() and torch.distributed.is_initialized():
+        _leave_cpu_ranks()
     return 0
 
 
@@ -208,6 +210,20 @@ def _cpu_deepspeed_state() -> bool:
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend="gloo")
     return True
+
+
+def _leave_cpu_ranks() -> None:
+    """End a finished run on CPU ranks without the interpreter's teardown. Once torch._dynamo is
+    imported (DeepSpeed imports it), torch keeps the gloo process group alive after
+    destroy_process_group(); a gloo worker thread still dropping its last work then takes the GIL
+    during teardown and the process ends in std::terminate (SIGABRT after the run had finished,
+    now and then; NCCL ranks are not affected)."""
+    import sys
+
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _causal_lm_collator() -> Any:

@@ -7,7 +7,7 @@
 # Needs: torch, DeepSpeed 0.19.x, `pip install --no-build-isolation -e ".[test]"`, libgtest-dev.
 #
 # The matrix runs the subset's fast tests on every release and its slow ones (seed reproductions,
-# demo, DeepCompile's registration, DeepCompile on the CPU from 0.19.3) on one release a day,
+# demo, DeepCompile's registration, DeepCompile on the CPU from 0.19.4) on one release a day,
 # chosen by the day of the year (each release once a week), to stay within ~8 minutes on 2 cores.
 # DSZ_MATRIX_FULL="0.19.0 0.19.5" picks the releases that get the slow tests too ("all": every
 # one), DSZ_MATRIX=off skips the matrix.

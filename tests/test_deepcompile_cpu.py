@@ -1,8 +1,10 @@
 """DeepCompile ZeRO-3 on the CPU (gloo, ds_z3native's CPU build): the eager-fallback gather and
-the removal of transformers' checkpointing graph breaks (issue 5's device-independent part).
+the removal of transformers' checkpointing graph breaks (the device-independent part of the GPU
+tests).
 
-DeepCompile runs on the CPU accelerator of DeepSpeed >= 0.19.3 (its profiler falls back to default
-estimates without CUDA events; 0.19.2's raises KeyError 'device_time'), with ds_z3native's op.
+DeepCompile runs on the CPU accelerator of DeepSpeed >= 0.19.4 (its profiler falls back to default
+estimates without CUDA events; 0.19.2's raises KeyError 'device_time'; see
+``helpers.dc_runner.needs_cpu_deepcompile`` for 0.19.3), with ds_z3native's op.
 Each training run is its own process (``bench/deepcompile_run.py``: dynamo caches, DeepSpeed's
 hooks and the native runtime are process-wide), 7 steps: past DeepCompile's step-5 re-planning.
 The GPU side (bf16, 20 steps, DeepSpeed 0.19.2 too, torch 2.11 where the failure was seen) is
@@ -15,25 +17,14 @@ from typing import Any, Dict, Tuple
 
 import pytest
 import torch
-from packaging.version import Version
 
-from helpers.dc_runner import RUNNER, run_alone
+from helpers.dc_runner import RUNNER, needs_cpu_deepcompile, run_alone
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
 STEPS = 7
 
 
-def _ds_version() -> Version:
-    import deepspeed
-
-    return Version(deepspeed.__version__.split("+")[0])
-
-
-needs_cpu_deepcompile = pytest.mark.skipif(
-    _ds_version() < Version("0.19.3"),
-    reason="DeepCompile's profiler needs CUDA before DeepSpeed 0.19.3; this DeepSpeed's "
-           "DeepCompile runs are covered on the GPU host (tests/gpu)")
 
 
 def run(*args: str, steps: int = STEPS) -> Dict[str, Any]:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+from helpers.dc_runner import needs_cpu_deepcompile
 from helpers.example_runs import (DS_Z3, DS_Z3_DEEPCOMPILE, assert_same_training, load_example,
                                   losses_by_step, run_example, zero0_config)
 
@@ -30,10 +31,6 @@ def _ds_version() -> Version:
     return Version(deepspeed.__version__.split("+")[0])
 
 
-needs_cpu_deepcompile = pytest.mark.skipif(
-    _ds_version() < Version("0.19.3"),
-    reason="DeepCompile runs on DeepSpeed's CPU accelerator from 0.19.3; older releases' "
-           "DeepCompile is tested on the GPU host (tests/gpu/test_trainers_gpu.py)")
 upstream_fixed = _ds_version() >= Version("0.19.3")
 
 DC = ["--deepspeed", str(DS_Z3_DEEPCOMPILE), "--torch-compile"]
@@ -56,8 +53,8 @@ COMMON = ["--max-steps", "8", "--eval-steps", "4", "--grad-accum", "2", "--max-g
 
 @pytest.fixture(scope="module")
 def zero3(out: Path) -> Dict[str, Any]:
-    """The same at ZeRO-3 with DS_Z3NATIVE=1."""
-    return run_example(out, "hf-z3", ["--deepspeed", str(DS_Z3), *COMMON])
+    """The same at ZeRO-3 with DS_Z3NATIVE=1, launched by ``accelerate launch``."""
+    return run_example(out, "hf-z3", ["--deepspeed", str(DS_Z3), *COMMON], launcher="accelerate")
 
 
 def test_hf_trainer_zero3_lora_nonreentrant_matches_zero0(zero3: Dict[str, Any],

@@ -20,7 +20,8 @@ from packaging.version import Version
 
 from helpers.dc_runner import needs_cpu_deepcompile
 from helpers.example_runs import (DS_Z3, DS_Z3_DEEPCOMPILE, assert_same_training, load_example,
-                                  losses_by_step, run_example, zero0_config)
+                                  losses_by_step, readme_commands, run_example, shown_command,
+                                  zero0_config)
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -34,6 +35,16 @@ def _ds_version() -> Version:
 upstream_fixed = _ds_version() >= Version("0.19.3")
 
 DC = ["--deepspeed", str(DS_Z3_DEEPCOMPILE), "--torch-compile"]
+COMMON = ["--max-steps", "8", "--eval-steps", "4", "--grad-accum", "2", "--max-grad-norm", "0.5"]
+TRL = ["--trainer", "trl", "--max-steps", "4", "--eval-steps", "4"]
+# The runs README.md shows, as (launcher, arguments); the resumed one's checkpoint is that of the
+# run before it, under the script's default output directory.
+SHOWN = {
+    "hf-z3": ("accelerate", ["--deepspeed", str(DS_Z3), *COMMON]),
+    "hf-dc": ("torchrun", [*DC, *COMMON, "--save-steps", "2"]),
+    "hf-dc-resume": ("torchrun", [*DC, *COMMON, "--resume", "out/sft_lora/checkpoint-6"]),
+    "trl-z3": ("torchrun", [*TRL, "--deepspeed", str(DS_Z3)]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +59,12 @@ def reference(out: Path) -> Dict[str, Any]:
                        ds_z3native=None)
 
 
-COMMON = ["--max-steps", "8", "--eval-steps", "4", "--grad-accum", "2", "--max-grad-norm", "0.5"]
-
 
 @pytest.fixture(scope="module")
 def zero3(out: Path) -> Dict[str, Any]:
     """The same at ZeRO-3 with DS_Z3NATIVE=1, launched by ``accelerate launch``."""
-    return run_example(out, "hf-z3", ["--deepspeed", str(DS_Z3), *COMMON], launcher="accelerate")
+    launcher, args = SHOWN["hf-z3"]
+    return run_example(out, "hf-z3", args, launcher=launcher)
 
 
 def test_hf_trainer_zero3_lora_nonreentrant_matches_zero0(zero3: Dict[str, Any],
@@ -90,10 +100,9 @@ def test_hf_trainer_zero3_without_ds_z3native_fails_on_old_deepspeed(out: Path) 
 
 
 def test_trl_sft_trainer_zero3_matches_zero0(out: Path) -> None:
-    args = ["--trainer", "trl", "--max-steps", "4", "--eval-steps", "4"]
-    ref = run_example(out, "trl-z0", ["--deepspeed", str(zero0_config(out)), *args],
+    ref = run_example(out, "trl-z0", [*TRL, "--deepspeed", str(zero0_config(out))],
                       ds_z3native=None)
-    ours = run_example(out, "trl-z3", ["--deepspeed", str(DS_Z3), *args])
+    ours = run_example(out, "trl-z3", SHOWN["trl-z3"][1])
     assert ours["trainer"] == "trl"
     assert_same_training(ours, ref, steps=[1, 2, 3, 4])
 
@@ -103,7 +112,7 @@ def test_hf_trainer_deepcompile_evaluates_clips_accumulates_like_zero0(
         out: Path, reference: Dict[str, Any]) -> None:
     # Evaluation at steps 4 and 8 compiles a no-grad graph whose SDPA takes its mask by keyword
     # (DeepSpeed's scheduler failed: KeyError 'where'); step 5 is DeepCompile's re-plan.
-    ours = run_example(out, "hf-dc", [*DC, *COMMON, "--save-steps", "2"])
+    ours = run_example(out, "hf-dc", SHOWN["hf-dc"][1])
     assert_same_training(ours, reference, steps=list(range(1, 9)))
     assert "Launching compile passes: global_steps=5" in _log(out, "hf-dc")
 
@@ -118,8 +127,8 @@ def test_hf_trainer_deepcompile_resumes_like_an_uninterrupted_run(
     if not (full / f"checkpoint-{checkpoint}").exists():
         pytest.fail("the uninterrupted DeepCompile run (test above) left no checkpoints")
     name = f"hf-dc-resume-{checkpoint}"
-    resumed = run_example(out, name, [*DC, *COMMON, "--resume",
-                                      str(full / f"checkpoint-{checkpoint}")])
+    args = SHOWN["hf-dc-resume"][1][:-1] + [str(full / f"checkpoint-{checkpoint}")]
+    resumed = run_example(out, name, args)
     assert resumed["global_step"] == 8
     assert min(losses_by_step(resumed)) > checkpoint  # nothing before the checkpoint was re-trained
     later = [s for s in range(checkpoint + 1, 9)]
@@ -129,3 +138,7 @@ def test_hf_trainer_deepcompile_resumes_like_an_uninterrupted_run(
 
 def _log(out: Path, name: str) -> str:
     return (out / f"{name}.log").read_text()
+
+
+def test_readme_shows_the_commands_these_tests_run() -> None:
+    assert readme_commands() == [shown_command(args, launcher) for launcher, args in SHOWN.values()]

@@ -15,7 +15,8 @@ import torch
 from ds_z3native._net import free_port
 
 __all__ = ["ROOT", "EXAMPLE", "DS_Z3", "DS_Z3_DEEPCOMPILE", "ACCELERATE_CONFIG", "run_example",
-           "zero0_config", "adapter_tensors", "losses_by_step", "assert_same_training", "load_example"]
+           "zero0_config", "adapter_tensors", "losses_by_step", "assert_same_training", "load_example",
+           "shown_command", "readme_commands"]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sft_lora.py"
@@ -61,6 +62,24 @@ def run_example(out: Path, name: str, args: Sequence[str], ds_z3native: Optional
     result: Dict[str, Any] = json.loads(results.read_text()) if results.exists() else {}
     result.update(rc=proc.returncode, log=log_tail)
     return result
+
+
+def shown_command(args: Sequence[str], launcher: str = "torchrun", nproc: int = 2) -> str:
+    """The command line a user types for a run of the example with ``args`` (paths relative to
+    the repository), as the README shows it."""
+    if launcher == "accelerate":
+        start = f"accelerate launch --config_file {ACCELERATE_CONFIG.relative_to(ROOT)}"
+    else:
+        start = f"torchrun --nproc_per_node {nproc}"
+    shown = [str(Path(a).relative_to(ROOT)) if a.startswith(str(ROOT)) else a for a in args]
+    return " ".join(["DS_Z3NATIVE=1", start, str(EXAMPLE.relative_to(ROOT)), *shown])
+
+
+def readme_commands() -> List[str]:
+    """The example commands in README.md (its lines that run examples/sft_lora.py)."""
+    text = (ROOT / "README.md").read_text()
+    return [line.strip() for line in text.splitlines()
+            if line.startswith("DS_Z3NATIVE=1 ") and str(EXAMPLE.relative_to(ROOT)) in line]
 
 
 def load_example() -> Any:

@@ -35,8 +35,16 @@ def _node(graph: Any, prefix: str) -> Any:
 SCHEDULE_PATCHES = ("deepcompile-kwargs-dependencies", "deepcompile-resume-schedule")
 
 
-@pytest.fixture
-def installed() -> Iterator[None]:
+@pytest.fixture(params=["installed"])
+def installed(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[None]:
+    """install() for the test; ``weak``: without the two patches (our op still in DeepSpeed's
+    loader, so nothing is JIT-built)."""
+    if request.param == "weak":
+        from ds_z3native.compat import registry
+
+        every = registry.all_patches
+        monkeypatch.setattr(registry, "all_patches",
+                            lambda: [p for p in every() if p.name not in SCHEDULE_PATCHES])
     ds_z3native.uninstall()
     ds_z3native.install()
     try:
@@ -45,20 +53,7 @@ def installed() -> Iterator[None]:
         ds_z3native.uninstall()
 
 
-@pytest.fixture
-def weak(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """install() without the two patches (our op in DeepSpeed's loader: nothing is JIT-built)."""
-    from ds_z3native.compat import registry
-
-    every = registry.all_patches
-    monkeypatch.setattr(registry, "all_patches",
-                        lambda: [p for p in every() if p.name not in SCHEDULE_PATCHES])
-    ds_z3native.uninstall()
-    ds_z3native.install()
-    try:
-        yield
-    finally:
-        ds_z3native.uninstall()
+weak = pytest.mark.parametrize("installed", ["weak"], indirect=True)
 
 
 def _names(nodes: List[Any]) -> List[str]:
@@ -76,14 +71,15 @@ def _scheduler_view(graph: Any) -> Any:
             _names(list_schedule.get_node_requirements(sdpa, placeholders)))
 
 
-def test_deepspeeds_scheduler_misses_a_keyword_input_without_the_patch(weak: None) -> None:
+@weak
+def test_deepspeeds_scheduler_misses_a_keyword_input_without_the_patch(installed: None) -> None:
     # The weak behaviour: SDPA looks runnable before the `where` computing its mask.
     inputs, requirements = _scheduler_view(_graph())
     assert inputs == ["q", "k", "v"]
     assert requirements == ["scaled_dot_product_attention"]
 
 
-def test_keyword_inputs_are_dependencies_and_uses(installed: None) -> None:
+def test_keyword_inputs_are_dependencies(installed: None) -> None:
     inputs, requirements = _scheduler_view(_graph())
     assert inputs == ["q", "k", "v", "where"]
     # Producers before consumers; placeholders are already scheduled.
@@ -163,7 +159,8 @@ def test_a_fresh_run_keeps_deepspeeds_schedule(installed: None, schedule_module:
     assert backend.next_passes == [_replan_pass]
 
 
-def test_without_the_patch_a_resumed_run_has_no_passes(weak: None, schedule_module: Any) -> None:
+@weak
+def test_without_the_patch_a_resumed_run_has_no_passes(installed: None, schedule_module: Any) -> None:
     backend = schedule_module
     backend.next_passes = None
     backend.init_schedule([(0, [_first_pass]), (5, [_replan_pass])])

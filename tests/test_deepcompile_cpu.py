@@ -110,6 +110,20 @@ def test_trainable_param_read_eagerly_is_refused_by_name() -> None:
 
 
 @needs_cpu_deepcompile
+def test_hf_llama_lora_evaluates_between_steps_like_eager_zero3() -> None:
+    # Without checkpointing (the trainer tests cover it with): model.eval() and two no-grad
+    # forwards after steps 3 and 6, as Trainer's eval_strategy="steps" does. The no-grad graph
+    # hands SDPA its mask by keyword; DeepSpeed's scheduler failed on it (KeyError 'where').
+    common = ("--model", "llama", "--size", "tiny", "--eval-every", "3")
+    ours = _ok(run(*common))
+    ref = _ok(run(*common, "--mode", "eager", "--eager-stage", "3", "--native", "deepspeed"))
+    _assert_same_training(ours, ref, rtol=1e-4, atol=1e-5)
+    assert len(ours["eval_losses"]) == 2
+    torch.testing.assert_close(torch.tensor(ours["eval_losses"]), torch.tensor(ref["eval_losses"]),
+                               rtol=1e-4, atol=1e-5)
+
+
+@needs_cpu_deepcompile
 @pytest.mark.release_matrix
 def test_hf_llama_lora_nonreentrant_checkpointing_trains_like_eager_zero3() -> None:
     common = ("--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant")

@@ -5,6 +5,8 @@ build_support/cuda_discovery.py:
   * CUDA (NCCL collectives, CUDA streams) when torch was built with CUDA and the CUDA runtime's
     headers and NCCL are found: a CUDA toolkit whose include/cuda_runtime_api.h is really there,
     else the nvidia-* wheels torch's CUDA wheel installed (the sources are C++ only: no nvcc),
+    and the CUDA-side includes of csrc/ compile with them (a probe run with the build's compiler
+    and flags: the wheels torch installs lack some headers those include),
   * CPU (c10d/gloo collectives, host streams) otherwise, with one line saying why.
 DS_Z3NATIVE_CUDA=0|1 overrides the choice; NCCL_HOME names NCCL; DEBUG=1 builds with -O0 -g.
 Build against the torch you run with:  pip install --no-build-isolation -v -e .
@@ -14,6 +16,7 @@ import glob
 import os
 import subprocess
 import sys
+import sysconfig
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
@@ -49,11 +52,54 @@ def site_dirs():
     return list(dict.fromkeys(dirs))
 
 
+# The extension's own C++ flags (the header probe compiles with them too).
+CXX_FLAGS = (["-O0", "-g"] if os.environ.get("DEBUG") == "1" else ["-O2", "-DNDEBUG"]) + [
+    "-Wall", "-Wno-unused-parameter"]
+
+
+def cxx_std_flag():
+    """The -std flag BuildExtension adds to C++ compiles that name none (c++17 in older torch,
+    c++20 in newer); read from its source, since torch exposes it nowhere else."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(cpp_extension.BuildExtension.build_extensions)
+    except (OSError, TypeError):
+        source = ""
+    m = re.search(r"'(c\+\+\d\d)'", source)
+    return f"-std={m.group(1) if m else 'c++17'}"
+
+
+def cuda_include_dirs(runtime, nccl):
+    """The extension's include dirs for the CUDA flavour: csrc/, the CUDA runtime's (with CCCL),
+    NCCL's."""
+    return list(dict.fromkeys([CSRC, *runtime.include_dirs, nccl.include_dir]))
+
+
+def probe_cuda_headers(discovery, runtime, nccl):
+    """Compile the CUDA-side includes of csrc/ as the build would (compiler, -std, macros,
+    include path), with -fsyntax-only: a second or two instead of a build that fails minutes in
+    on a header the CUDA runtime found lacks."""
+    compiler = (cpp_extension.get_cxx_compiler() if hasattr(cpp_extension, "get_cxx_compiler")
+                else os.environ.get("CXX", "c++"))
+    flags = [cxx_std_flag(), "-fPIC", "-DTORCH_API_INCLUDE_EXTENSION_H", "-DDSZ_WITH_CUDA",
+             *CXX_FLAGS]
+    # What CppExtension and build_ext add after ours: torch's include dirs (include_paths() with
+    # no argument: include_paths("cuda"), include_paths(True) before torch 2.9, would add torch's
+    # guessed CUDA_HOME, or fail where there is none) and Python's.
+    include_dirs = [*cuda_include_dirs(runtime, nccl), *cpp_extension.include_paths(),
+                    sysconfig.get_paths()["include"]]
+    return discovery.probe_headers(compiler, discovery.cuda_side_includes(CSRC), include_dirs,
+                                   flags)
+
+
 def build_plan():
     discovery = _load_cuda_discovery()
     try:
-        return discovery.plan_build(torch.__version__, torch.version.cuda, os.environ,
-                                    site_dirs())
+        return discovery.plan_build(
+            torch.__version__, torch.version.cuda, os.environ, site_dirs(),
+            probe=lambda runtime, nccl: probe_cuda_headers(discovery, runtime, nccl))
     except discovery.DiscoveryError as e:
         sys.exit(str(e))
 
@@ -126,10 +172,7 @@ def extension():
         ("DSZ_CUDA_SOURCE", f'"{PLAN.runtime.kind if cuda else ""}"'),
         ("DSZ_CPU_REASON", f'"{PLAN.cpu_reason}"'),
     ]
-    debug = os.environ.get("DEBUG") == "1"
-    cxx = ["-O0", "-g"] if debug else ["-O2", "-DNDEBUG"]
-    cxx += ["-Wall", "-Wno-unused-parameter"]
-    kwargs = dict(include_dirs=[CSRC], extra_compile_args={"cxx": cxx},
+    kwargs = dict(include_dirs=[CSRC], extra_compile_args={"cxx": list(CXX_FLAGS)},
                   extra_link_args=shared_libstdcxx_args())
     if not cuda:
         return cpp_extension.CppExtension("ds_z3native._C", sources, define_macros=macros, **kwargs)
@@ -140,7 +183,7 @@ def extension():
     sources += ["csrc/comm/nccl_collectives.cpp", "csrc/device/cuda_device.cpp",
                 "csrc/ops/register_cuda.cpp"]
     macros.append(("DSZ_WITH_CUDA", None))
-    kwargs["include_dirs"] += [runtime.include_dir, nccl.include_dir]
+    kwargs["include_dirs"] = cuda_include_dirs(runtime, nccl)
     libdirs = list(dict.fromkeys([runtime.library_dir, nccl.library_dir]))
     kwargs["extra_link_args"] += [f"-l:{runtime.library}", f"-l:{nccl.library}"]
     kwargs["extra_link_args"] += [f"-Wl,-rpath,{d}" for d in libdirs]

@@ -3,17 +3,24 @@
 ds_z3native's sources are C++ only (no .cu files), so the CUDA flavour needs the CUDA runtime's
 headers and ``libcudart``, NCCL's ``nccl.h`` and ``libnccl``, and no nvcc. They come from
 
-* a CUDA toolkit, used only when ``<root>/include/cuda_runtime_api.h``, the C runtime headers it
-  includes (``include/crt/``) and a ``libcudart.so*`` are really there (a ``CUDA_HOME`` guessed from an ``nvcc`` wrapper script in some ``bin/``
+* a CUDA toolkit, used only when ``<root>/include/cuda_runtime_api.h`` and a ``libcudart.so*``
+  are really there (a ``CUDA_HOME`` guessed from an ``nvcc`` wrapper script in some ``bin/``
   directory outside the toolkit has neither), and its CUDA major version is torch's;
 * otherwise the nvidia-* wheels torch's CUDA wheel installs beside it (``nvidia/cuda_runtime``,
-  ``nvidia/nccl``; CUDA 13's combined ``nvidia/cu13``). CUDA 13's runtime wheel lacks the C
-  runtime headers (``crt/``, in the ``nvidia-cuda-crt`` wheel, 134 KB), which torch's wheel does
-  not install: seen with torch 2.11+cu130, whose build then failed on crt/host_config.h.
+  ``nvidia/nccl``; CUDA 13's combined ``nvidia/cu13``).
 
-With neither, the CPU flavour, with one line saying why and how to get CUDA. Every function here
-is pure over the paths and environment it is given (no torch, no globals), so the decision can be
-checked on fake layouts; setup.py imports this file by path.
+Finding ``cuda_runtime_api.h`` does not mean the headers it pulls in are there: the runtime wheels
+lack CUDA's C runtime headers (``crt/``: the ``nvidia-cuda-crt`` wheel for CUDA 13) and libcu++
+(``nv/target``, ``cuda/std/``: the ``nvidia-cuda-cccl`` wheel), which torch's wheel does not
+install; torch 2.11+cu130's wheels-only build failed on each in turn. So before the CUDA flavour
+is chosen, :func:`probe_headers` compiles (``-fsyntax-only``) exactly the CUDA-side includes of
+csrc/ (:func:`cuda_side_includes`) with the build's compiler and include path, and a failure
+names the missing headers and the wheels that ship them (:func:`wheel_for_header`).
+
+With no usable CUDA, the CPU flavour, with one line saying why and how to get CUDA. Every function
+here other than :func:`probe_headers` is pure over the paths, text and environment it is given
+(no torch, no globals), so the decision can be checked on fake layouts; setup.py imports this file
+by path.
 """
 
 from __future__ import annotations
@@ -21,12 +28,17 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shlex
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
-from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["CudaRuntime", "Nccl", "BuildPlan", "DiscoveryError", "cudart_version",
            "runtime_at", "toolkit_candidates", "find_toolkit", "find_wheel_runtime", "find_nccl",
-           "plan_build", "CPU_REASONS"]
+           "plan_build", "CPU_REASONS", "HeaderProbe", "cuda_side_includes", "missing_header",
+           "missing_in_dependencies", "first_error", "wheel_for_header", "probe_source",
+           "probe_headers"]
 
 # Why a build is CPU-only: the code goes into the extension's build info (no spaces: it travels
 # as a compiler macro), the text into the build log and `ds-z3native doctor`.
@@ -35,6 +47,8 @@ CPU_REASONS = {
     "forced": "DS_Z3NATIVE_CUDA=0 was set",
     "no-cuda-runtime": "no CUDA runtime headers (toolkit or nvidia wheels) were found",
     "no-nccl": "no NCCL (nccl.h and libnccl.so*) was found",
+    "cuda-headers-incomplete": "the CUDA headers found lack some that the sources include",
+    "cuda-headers-unusable": "the CUDA headers found do not compile with the build's compiler",
 }
 
 _LIB_SUBDIRS = ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"),
@@ -56,6 +70,8 @@ class CudaRuntime:
     library_dir: str
     library: str  # the file to link: libcudart.so, or libcudart.so.13 where only that exists
     version: Optional[str]  # "13.0", read from CUDART_VERSION in cuda_runtime_api.h
+    # include_dir plus where libcu++ (CCCL) and the C runtime headers are, when elsewhere
+    include_dirs: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,18 +134,27 @@ def runtime_at(root: str, kind: str) -> Tuple[Optional[CudaRuntime], str]:
     include_dir = os.path.join(root, "include")
     if not os.path.isfile(os.path.join(include_dir, "cuda_runtime_api.h")):
         return None, f"{root}: no include/cuda_runtime_api.h"
-    # cuda_runtime_api.h includes CUDA's C runtime headers; CUDA 13 moved them out of the
-    # runtime wheel into nvidia-cuda-crt, which torch's wheel does not install.
-    if not os.path.isfile(os.path.join(include_dir, "crt", "host_defines.h")):
-        return None, (f"{root}: cuda_runtime_api.h but no include/crt/host_defines.h (CUDA's C "
-                      "runtime headers: the nvidia-cuda-crt wheel)")
     for sub in _LIB_SUBDIRS:
         library_dir = os.path.join(root, sub)
         library = _shared_library(library_dir, "libcudart")
         if library:
             return CudaRuntime(kind, root, include_dir, library_dir, library,
-                               cudart_version(include_dir)), ""
+                               cudart_version(include_dir), _include_dirs(root, kind)), ""
     return None, f"{root}: cuda_runtime_api.h but no libcudart.so* under lib64/ or lib/"
+
+
+def _include_dirs(root: str, kind: str) -> Tuple[str, ...]:
+    """The runtime's include dir and those beside it that its headers need: CUDA 13 keeps
+    libcu++ (CCCL) in include/cccl (toolkit and nvidia-cuda-cccl wheel alike), which nvcc adds
+    by itself but a C++ compiler does not; CUDA 12's wheels put CCCL and the C runtime headers
+    in their own directories (nvidia/cuda_cccl, nvidia/cuda_nvcc)."""
+    include_dir = os.path.join(root, "include")
+    dirs = [include_dir, os.path.join(include_dir, "cccl")]
+    if kind == "wheels":
+        nvidia = os.path.dirname(root)
+        dirs += [os.path.join(nvidia, "cuda_cccl", "include"),
+                 os.path.join(nvidia, "cuda_nvcc", "include")]
+    return tuple(d for d in dirs if d == include_dir or os.path.isdir(d))
 
 
 def _which(name: str, path: str) -> Optional[str]:
@@ -236,11 +261,163 @@ def find_nccl(environ: Mapping[str, str], site_dirs: Sequence[str],
     return None
 
 
+@dataclass(frozen=True)
+class HeaderProbe:
+    """What compiling the CUDA-side includes said: ``ok``, else the first header the compiler
+    could not find (``missing``), the others the sources also reach and are missing
+    (``also_missing``, from a dependency scan), or, for another failure, its first error line."""
+
+    ok: bool
+    missing: Optional[str] = None
+    also_missing: Tuple[str, ...] = ()
+    error: str = ""
+    command: Tuple[str, ...] = ()
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*<([^>]+)>', re.M)
+# The CUDA side of csrc/: CUDA's own headers (libcu++, CUB, Thrust too), NCCL, and torch's CUDA
+# headers (which include CUDA's).
+_CUDA_SIDE = re.compile(r"^(cuda.+|nv/.+|cub/.+|thrust/.+|nccl\.h|c10/cuda/.+|ATen/cuda/.+)$")
+
+
+def cuda_side_includes(source_dir: str) -> List[str]:
+    """The ``#include <...>`` headers of the C++ sources and headers under ``source_dir`` that
+    need CUDA (``<cuda*>``, ``<nv/...>``, ``<cub/...>``, ``<thrust/...>``, ``<nccl.h>``,
+    ``<c10/cuda/...>``, ``<ATen/cuda/...>``), each once,
+    in the order the files (sorted by path) include them."""
+    paths = sorted(os.path.join(dirpath, name) for dirpath, _, names in os.walk(source_dir)
+                   for name in names if name.endswith((".cpp", ".cc", ".h", ".hpp", ".cuh")))
+    found: List[str] = []
+    for path in paths:
+        with open(path, errors="replace") as f:
+            found += [h for h in _INCLUDE.findall(f.read()) if _CUDA_SIDE.match(h)]
+    return list(dict.fromkeys(found))
+
+
+def missing_header(output: str) -> Optional[str]:
+    """The first header a GCC or Clang run could not find, from its output (GCC: ``fatal error:
+    nv/target: No such file or directory``; Clang: ``fatal error: 'nv/target' file not found``),
+    or None."""
+    m = re.search(r"fatal error: (?:'([^']+)' file not found|(\S+?): No such file or directory)",
+                  output)
+    return (m.group(1) or m.group(2)) if m else None
+
+
+def missing_in_dependencies(rule: str) -> List[str]:
+    """The headers a ``-M -MG`` dependency scan could not find: with absolute include dirs and an
+    absolute source, every found file is an absolute path, and a missing one stays as it was
+    written in ``#include``. ``rule`` is the make rule the scan printed."""
+    body = rule.split(":", 1)[1] if ":" in rule else rule
+    body = body.replace("\\\n", " ").replace("\\ ", "\0")
+    return list(dict.fromkeys(t.replace("\0", " ") for t in body.split()
+                              if t != "\\" and not os.path.isabs(t)))
+
+
+def first_error(output: str) -> str:
+    """The first line of compiler ``output`` that reports an error (else its first line)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        if re.search(r"\berror:", line):
+            return line
+    return lines[0] if lines else ""
+
+
+def wheel_for_header(header: str, torch_cuda: str) -> Optional[str]:
+    """The pip requirement, pinned to torch's CUDA version, of the nvidia-* wheel that ships
+    ``header`` when torch's CUDA wheel does not install it, or None (a CUDA toolkit has it).
+
+    CUDA's C runtime headers (``crt/``) are nvidia-cuda-crt for CUDA 13 (nvidia-cuda-nvcc-cu12
+    before); libcu++, CUB and Thrust (``nv/``, ``cuda/``, ``cub/``, ``thrust/``) are
+    nvidia-cuda-cccl (-cu12)."""
+    major = _major(torch_cuda)
+    if not major:
+        return None
+    if header.startswith("crt/"):
+        name = "nvidia-cuda-crt" if int(major) >= 13 else f"nvidia-cuda-nvcc-cu{major}"
+    elif header.startswith(("nv/", "cuda/", "cub/", "thrust/")):
+        name = "nvidia-cuda-cccl" if int(major) >= 13 else f"nvidia-cuda-cccl-cu{major}"
+    else:
+        return None
+    return f"{name}=={torch_cuda}.*"
+
+
+def probe_source(headers: Sequence[str]) -> str:
+    """A translation unit that includes ``headers`` and nothing else."""
+    return "".join(f"#include <{h}>\n" for h in headers)
+
+
+def probe_headers(compiler: str, headers: Sequence[str], include_dirs: Sequence[str],
+                  flags: Sequence[str] = (), timeout: float = 120.0) -> HeaderProbe:
+    """Compile (``-fsyntax-only``) a translation unit including ``headers`` with ``compiler``
+    (a command line, as CXX holds it), ``include_dirs`` and ``flags``. On a missing header, a
+    dependency scan (``-E -M -MG``, which goes on past missing headers) lists the others the
+    sources reach, so one message can name every wheel to install."""
+    includes = [f"-I{os.path.abspath(d)}" for d in include_dirs]
+    env = {**os.environ, "LC_ALL": "C"}  # the messages parsed here, untranslated
+    with tempfile.TemporaryDirectory(prefix="dsz_cuda_probe_") as tmp:
+        source = os.path.join(tmp, "cuda_probe.cpp")
+        with open(source, "w") as f:
+            f.write(probe_source(headers))
+        command = [*shlex.split(compiler), "-fsyntax-only", *flags, *includes, source]
+        try:
+            r = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=tmp,
+                               env=env)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return HeaderProbe(False, error=f"{type(e).__name__}: {e}", command=tuple(command))
+        output = r.stderr + r.stdout
+        if r.returncode == 0:
+            return HeaderProbe(True, command=tuple(command))
+        missing = missing_header(output)
+        if missing is None:
+            return HeaderProbe(False, error=first_error(output), command=tuple(command))
+        scan = [*shlex.split(compiler), "-E", "-M", "-MG", *flags, *includes, source]
+        try:
+            deps = subprocess.run(scan, capture_output=True, text=True, timeout=timeout, cwd=tmp,
+                                  env=env)
+            others = missing_in_dependencies(deps.stdout) if deps.returncode == 0 else []
+        except (OSError, subprocess.TimeoutExpired):
+            others = []
+        return HeaderProbe(False, missing=missing,
+                           also_missing=tuple(h for h in others if h != missing),
+                           command=tuple(command))
+
+
+def _probe_failure(probe: HeaderProbe, runtime: CudaRuntime, torch_cuda: str
+                   ) -> Tuple[str, str, str]:
+    """(cpu_reason, why, how to fix) for a failed header probe, each part of one line."""
+    where = f"the CUDA headers of the {runtime.kind} at {runtime.root}"
+    if probe.missing is None:
+        compiler = probe.command[0] if probe.command else "the compiler"
+        return ("cuda-headers-unusable",
+                f"{where} do not compile with {compiler}: {probe.error}",
+                "set CXX to a compiler this CUDA supports or CUDA_HOME to a CUDA toolkit")
+    headers = [probe.missing, *probe.also_missing]
+    wheels = {h: wheel_for_header(h, torch_cuda) for h in headers}
+
+    def shipped(header: str) -> str:
+        wheel = wheels[header]
+        return (f"{header} (the {wheel.split('==')[0]} wheel)" if wheel
+                else f"{header} (a CUDA toolkit has it)")
+
+    why = f"{where} lack {shipped(probe.missing)}"
+    if probe.also_missing:
+        why += f"; also missing: {', '.join(shipped(h) for h in probe.also_missing)}"
+    if runtime.kind == "wheels" and all(wheels.values()):
+        why += "; torch's wheel does not install these"
+    specs = list(dict.fromkeys(w for w in wheels.values() if w))
+    if specs and all(wheels.values()):
+        fix = f"for the CUDA flavour `pip install {' '.join(repr(w) for w in specs)}`"
+    else:
+        fix = ("for the CUDA flavour set CUDA_HOME to a CUDA toolkit with these headers"
+               + (f" or `pip install {' '.join(repr(w) for w in specs)}`" if specs else ""))
+    return "cuda-headers-incomplete", why, fix + ", then reinstall ds_z3native"
+
+
 def _cuda_hint(torch_cuda: str) -> str:
     major = _major(torch_cuda)
     if major and int(major) >= 13:
         wheels = (f"'nvidia-cuda-runtime=={torch_cuda}.*' 'nvidia-cuda-crt=={torch_cuda}.*' "
-                  f"nvidia-nccl-cu{major}")
+                  f"'nvidia-cuda-cccl=={torch_cuda}.*' nvidia-nccl-cu{major}")
     else:
         wheels = f"nvidia-cuda-runtime-cu{major} nvidia-nccl-cu{major}"
     return (f"for the CUDA flavour `pip install {wheels}` (what torch's CUDA wheel from PyPI "
@@ -249,9 +426,13 @@ def _cuda_hint(torch_cuda: str) -> str:
 
 
 def plan_build(torch_version: str, torch_cuda: Optional[str], environ: Mapping[str, str],
-               site_dirs: Sequence[str], root: str = "/") -> BuildPlan:
+               site_dirs: Sequence[str], root: str = "/",
+               probe: Optional[Callable[[CudaRuntime, Nccl], HeaderProbe]] = None) -> BuildPlan:
     """Which flavour to build for a torch ``torch_version`` built with CUDA ``torch_cuda``
     (None: a CPU torch), honouring ``DS_Z3NATIVE_CUDA=0|1`` in ``environ``.
+
+    ``probe`` (setup.py: :func:`probe_headers` with the build's compiler and include path) is
+    called with the runtime and NCCL found, only then; when it fails the build is CPU.
 
     Raises DiscoveryError for a DS_Z3NATIVE_CUDA value other than 0 or 1, and for
     DS_Z3NATIVE_CUDA=1 when the CUDA flavour cannot be built here."""
@@ -295,6 +476,16 @@ def plan_build(torch_version: str, torch_cuda: Optional[str], environ: Mapping[s
                          checked=checked,
                          message=f"{prefix}: {why}; NCCL process groups will be refused at "
                                  f"init(); set NCCL_HOME or {_cuda_hint(torch_cuda)}")
+    verdict = probe(runtime, nccl) if probe is not None else HeaderProbe(True)
+    if not verdict.ok:
+        reason, why, fix = _probe_failure(verdict, runtime, torch_cuda)
+        why = f"torch {torch_version} has CUDA {torch_cuda}, but {why}"
+        if flag == "1":
+            raise DiscoveryError(f"DS_Z3NATIVE_CUDA=1, but {why}; {fix}")
+        return BuildPlan("cpu", runtime=runtime, nccl=nccl, cpu_reason=reason, warning=True,
+                         checked=checked,
+                         message=f"{prefix}: {why}; NCCL process groups will be refused at "
+                                 f"init(); {fix}")
     return BuildPlan("cuda", runtime=runtime, nccl=nccl, checked=checked,
                      message=f"ds_z3native: building the CUDA flavour against the CUDA "
                              f"{runtime.version or '?'} runtime of the {runtime.kind} at "

@@ -215,7 +215,8 @@ def test_the_native_check_reports_how_this_build_got_its_flavour() -> None:
         assert info["cuda_source"] in ("toolkit", "wheels") and info["cpu_reason"] is None
     else:
         assert info["cuda_source"] is None
-        assert info["cpu_reason"] in ("cpu-torch", "forced", "no-cuda-runtime", "no-nccl")
+        assert info["cpu_reason"] in ("cpu-torch", "forced", "no-cuda-runtime", "no-nccl",
+                                      "cuda-headers-incomplete", "cuda-headers-unusable")
     check = _check_native({})
     if info["flavour"] == "cpu" and torch.version.cuda:
         assert check.status == "WARN" and "without CUDA" in check.detail, check

@@ -87,6 +87,10 @@ _CPU_REASONS = {
     "forced": "it was built with DS_Z3NATIVE_CUDA=0",
     "no-cuda-runtime": "no CUDA runtime headers (toolkit or nvidia wheels) were found at build time",
     "no-nccl": "no NCCL (nccl.h and libnccl.so*) was found at build time",
+    "cuda-headers-incomplete": "the CUDA headers found at build time lacked some the sources "
+                               "include (the build log names them and the wheels that ship them)",
+    "cuda-headers-unusable": "the CUDA headers found at build time did not compile with the "
+                             "build's compiler (the build log has the error)",
 }
 
 _REINSTALL = ("reinstall against the torch you run: `pip install --no-build-isolation -e .` in the "

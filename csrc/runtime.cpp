@@ -36,6 +36,8 @@ int64_t numelOf(const std::vector<int64_t>& shape, const char* op, int64_t ds_id
 void prepareGradBuffer(const at::Tensor& buf, const ParamEntry& e, int64_t offset, const char* op)
 {
     if (!buf.defined() || buf.numel() == 0) { return; }
+    DSZ_CHECK(hasData(buf), op, "grad buffer of ds_id ", e.ds_id, " (shape ", buf.sizes(),
+              ") has no data (a meta tensor, or its storage was freed)");
     DSZ_CHECK(at::isFloatingType(buf.scalar_type()), op, "grad buffer of ds_id ", e.ds_id,
               " must be floating point, got ", buf.scalar_type());
     DSZ_CHECK(buf.is_contiguous(), op, "grad buffer of ds_id ", e.ds_id, " must be contiguous");
@@ -62,9 +64,17 @@ Runtime::Runtime(std::unique_ptr<Collectives> comm,
       gatherer_(*comm_, *device_, stats_),
       reducer_(registry_, *comm_, *device_, stats_, config.reduce_bucket_size, config.double_buffer)
 {
+    checkConfig(config);
+    persistence_.budget_bytes = config.persistence_budget_bytes;
+}
+
+void Runtime::checkConfig(const RuntimeConfig& config)
+{
+    DSZ_CHECK(config.reduce_bucket_size >= 1, "init",
+              "initial_reduce_bucket_size must be >= 1, got ", config.reduce_bucket_size);
     DSZ_CHECK(config.free_activation_threshold >= 0, "init",
               "free_activation_threshold must be >= 0, got ", config.free_activation_threshold);
-    persistence_.budget_bytes = checkedBudget(config.persistence_budget_bytes, "init");
+    checkedBudget(config.persistence_budget_bytes, "init");
 }
 
 Runtime::~Runtime() = default;
@@ -100,6 +110,8 @@ void Runtime::registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape,
     DSZ_LOCK;
     const char* op = "register_z3_param";
     DSZ_CHECK(shard.defined(), op, "ds_tensor of ds_id ", ds_id, " is undefined");
+    DSZ_CHECK(hasData(shard), op, "ds_tensor of ds_id ", ds_id, " (shape ", shard.sizes(),
+              ") has no data (a meta tensor, or its storage was freed)");
     ParamEntry e;
     e.ds_id = ds_id;
     e.shape = shape;
@@ -132,6 +144,8 @@ void Runtime::registerParam(int64_t ds_id, const std::vector<int64_t>& shape,
     DSZ_LOCK;
     const char* op = "register_param";
     DSZ_CHECK(param.defined(), op, "param of ds_id ", ds_id, " is undefined");
+    DSZ_CHECK(hasData(param), op, "param of ds_id ", ds_id, " (shape ", param.sizes(),
+              ") has no data (a meta tensor, or its storage was freed)");
     ParamEntry e;
     e.ds_id = ds_id;
     e.shape = shape;
@@ -360,6 +374,7 @@ void Runtime::reduceGrad(int64_t graph_id, int64_t ds_id, const at::Tensor& grad
     ParamEntry& p = member(ex, ds_id, op);
     if (profiling_) { return; }  // the profiler runs the graph without reducing
     GradReducer::requireReducible(p, op);
+    GradReducer::requireGradient(p, grad, op);  // also before ZeRO-1 keeps it for later
     if (config_.sync_before_reduce) { device_->synchronizeDevice(); }
     if (ex.stage() == ZeroStage::Z1) {
         // ZeRO-1 reduces once per accumulation window, the local sum of its gradients.
@@ -395,7 +410,8 @@ void Runtime::freeTensors(const std::vector<at::Tensor>& tensors)
     if (profiling_) { return; }
     const c10::Device dev = device_->computeDevice();
     for (const at::Tensor& t : tensors) {
-        if (!t.defined() || t.device() != dev || t.numel() <= config_.free_activation_threshold) {
+        if (!t.defined() || t.device() != dev || t.numel() <= config_.free_activation_threshold ||
+            !hasData(t)) {
             continue;
         }
         device_->recordStream(t, StreamRole::Compute);
@@ -468,6 +484,8 @@ void Runtime::reloadParameter(int64_t graph_id, int64_t ds_id)
     ParamEntry& p = member(executor(graph_id, op), ds_id, op);
     const c10::Device dev = device_->computeDevice();
     if (p.shard.device() == dev) { return; }  // resident already
+    DSZ_CHECK(hasData(p.shard), op, "the shard of ds_id ", p.ds_id,
+              " has no data (its storage was freed after registration)");
     auto ready = device_->newEvent();
     ready->record(StreamRole::Compute);
     ready->block(StreamRole::Reload);
@@ -533,33 +551,51 @@ size_t Runtime::pendingGradients()
 
 namespace current_runtime {
 namespace {
-// Deliberately a raw pointer: nothing is destroyed by static destructors at exit, where a
-// process group torn down after its backend can abort the process. cleanup() frees it.
-Runtime* g_runtime = nullptr;
+// Deliberately never destroyed by static destructors: at exit a process group torn down after its
+// backend can abort the process. cleanup() (and an atexit hook of the module) ends the runtime.
+std::mutex& slotMutex()
+{
+    static auto* m = new std::mutex();
+    return *m;
+}
+std::shared_ptr<Runtime>& slot()
+{
+    static auto* s = new std::shared_ptr<Runtime>();
+    return *s;
+}
+
+// Swaps the slot's runtime for `next` and returns the previous one, which the caller drops
+// outside the slot's lock (its destructor may wait on a communicator).
+std::shared_ptr<Runtime> exchange(std::shared_ptr<Runtime> next)
+{
+    std::lock_guard<std::mutex> guard(slotMutex());
+    std::swap(slot(), next);
+    return next;
+}
 }  // namespace
 
-Runtime& get(const char* op)
+std::shared_ptr<Runtime> get(const char* op)
 {
-    DSZ_CHECK(g_runtime != nullptr, op,
+    std::shared_ptr<Runtime> rt = tryGet();
+    DSZ_CHECK(rt != nullptr, op,
               "the runtime is not initialized: call init(process_group, config, bucket_size) "
               "first (DeepSpeed does this in engine.compile()), or it was ended by cleanup()");
-    return *g_runtime;
+    return rt;
 }
 
-Runtime* tryGet() { return g_runtime; }
+std::shared_ptr<Runtime> tryGet()
+{
+    std::lock_guard<std::mutex> guard(slotMutex());
+    return slot();
+}
 
-void replace(std::unique_ptr<Runtime> runtime)
+void replace(std::shared_ptr<Runtime> runtime)
 {
     destroy();
-    g_runtime = runtime.release();
+    exchange(std::move(runtime));  // a runtime installed meanwhile by another thread ends here
 }
 
-void destroy()
-{
-    Runtime* old = g_runtime;
-    g_runtime = nullptr;
-    delete old;
-}
+void destroy() { exchange(nullptr); }
 
 }  // namespace current_runtime
 

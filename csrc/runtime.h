@@ -46,6 +46,9 @@ public:
             std::unique_ptr<DeviceBackend> device,
             RuntimeConfig config);
     ~Runtime();
+    // Throws (naming init and the value) when the constructor would refuse `config`; init()
+    // checks it before it ends the live runtime.
+    static void checkConfig(const RuntimeConfig& config);
 
     // --- module functions (DeepSpeed's names in the comments) ---
     void registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape, const at::Tensor& shard,
@@ -141,12 +144,14 @@ private:
     std::mutex mutex_;
 };
 
-// The process-wide runtime: created by init(), destroyed by cleanup().
+// The process-wide runtime: created by init(), ended by cleanup(). Every op and function holds a
+// counted reference for its whole call, so cleanup(), init() or reset() from another thread never
+// frees what a running call uses: the runtime is destroyed when its last call returns.
 namespace current_runtime {
 // Throws naming `op` when init() has not been called.
-Runtime& get(const char* op);
-Runtime* tryGet();
-void replace(std::unique_ptr<Runtime> runtime);  // destroys the previous one first
+std::shared_ptr<Runtime> get(const char* op);
+std::shared_ptr<Runtime> tryGet();
+void replace(std::shared_ptr<Runtime> runtime);  // ends the previous one first
 void destroy();
 }  // namespace current_runtime
 

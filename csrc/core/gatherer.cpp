@@ -26,6 +26,13 @@ at::Tensor Gatherer::metaOf(const ParamEntry& p, std::optional<at::ScalarType> d
                                   .device(c10::kMeta));
 }
 
+// The shard (or its reloaded copy) must be readable before anything is gathered from it.
+static void requireShardData(const ParamEntry& p, const char* op)
+{
+    DSZ_CHECK(hasData(p.reloaded.defined() ? p.reloaded : p.shard), op, "the shard of ds_id ",
+              p.ds_id, " has no data (its storage was freed after registration)");
+}
+
 at::Tensor Gatherer::shardForGather(ParamEntry& p, at::ScalarType dtype)
 {
     // Partitions never take part in autograd here (a shard registered with requires_grad=True
@@ -73,6 +80,7 @@ at::Tensor Gatherer::gather(ParamEntry& p, std::optional<at::ScalarType> dtype, 
     DSZ_CHECK(p.partitioned, op, "ds_id ", p.ds_id,
               " was registered with register_param (ZeRO-1/2) and is not partitioned");
     const at::ScalarType target = dtype.value_or(p.shard.scalar_type());
+    if (!(p.valid && p.gathered.defined())) { requireShardData(p, op); }
     if (p.valid && p.gathered.defined()) {
         // A persistent copy is kept in the dtype it was first gathered in. Converting reads it
         // on the compute stream, so a gather still in flight must finish first.
@@ -103,6 +111,7 @@ void Gatherer::prefetch(const std::vector<ParamEntry*>& params,
         ParamEntry& p = *params[i];
         DSZ_CHECK(p.partitioned, op, "ds_id ", p.ds_id, " is not a ZeRO-3 parameter");
         if (p.valid && p.gathered.defined()) { continue; }
+        requireShardData(p, op);
         todo.emplace_back(&p, dtypes[i].value_or(p.shard.scalar_type()));
     }
     if (todo.empty()) { return; }

@@ -42,6 +42,8 @@ void GradReducer::requireReducible(const ParamEntry& p, const char* op)
                   ")); a param registered frozen (empty buffer) and unfrozen later must be "
                   "registered again with a grad buffer");
     }
+    DSZ_CHECK(!p.hasGradBuffer() || hasData(p.grad_buffer), op, "the grad buffer of ds_id ",
+              p.ds_id, " has no data (its storage was freed after registration)");
 }
 
 GradReducer::PerDtype& GradReducer::stateFor(at::ScalarType dtype, c10::Device device)
@@ -63,14 +65,21 @@ GradReducer::PerDtype& GradReducer::stateFor(at::ScalarType dtype, c10::Device d
     return per_dtype_.emplace(dtype, std::move(state)).first->second;
 }
 
+void GradReducer::requireGradient(const ParamEntry& p, const at::Tensor& grad, const char* op)
+{
+    DSZ_CHECK(grad.defined(), op, "undefined gradient for ds_id ", p.ds_id);
+    DSZ_CHECK(at::isFloatingType(grad.scalar_type()), op, "gradient of ds_id ", p.ds_id,
+              " must be floating point, got ", grad.scalar_type());
+    DSZ_CHECK(grad.numel() == p.numel, op, "gradient of ds_id ", p.ds_id, " has ", grad.numel(),
+              " elements, the param has ", p.numel);
+    DSZ_CHECK(hasData(grad), op, "gradient of ds_id ", p.ds_id, " (shape ", grad.sizes(),
+              ") has no data (its storage was freed, e.g. by release_param)");
+}
+
 void GradReducer::add(ParamEntry& p, const at::Tensor& grad_in, const char* op)
 {
     requireReducible(p, op);
-    DSZ_CHECK(grad_in.defined(), op, "undefined gradient for ds_id ", p.ds_id);
-    DSZ_CHECK(at::isFloatingType(grad_in.scalar_type()), op, "gradient of ds_id ", p.ds_id,
-              " must be floating point, got ", grad_in.scalar_type());
-    DSZ_CHECK(grad_in.numel() == p.numel, op, "gradient of ds_id ", p.ds_id, " has ",
-              grad_in.numel(), " elements, the param has ", p.numel);
+    requireGradient(p, grad_in, op);
     at::Tensor grad = grad_in.detach();
     if (p.expected_grad_dtype && grad.scalar_type() != *p.expected_grad_dtype) {
         grad = grad.to(*p.expected_grad_dtype);

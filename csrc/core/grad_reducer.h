@@ -31,6 +31,9 @@ public:
 
     // Checks that `p` may receive a reduced gradient; throws naming `op` and the id otherwise.
     static void requireReducible(const ParamEntry& p, const char* op);
+    // Checks a gradient for `p` (defined, floating point, p's numel, readable); throws naming
+    // `op` and the id otherwise.
+    static void requireGradient(const ParamEntry& p, const at::Tensor& grad, const char* op);
 
     // Validates `grad` and queues it; flushes the bucket first when it is full.
     void add(ParamEntry& p, const at::Tensor& grad, const char* op);

@@ -317,10 +317,10 @@ TEST(CurrentRuntime, UseBeforeInitOrAfterCleanupNamesTheOp)
                              {"allgather_param", "init"}));
     current_runtime::replace(singleRankRuntime());
     ASSERT_NE(current_runtime::tryGet(), nullptr);
-    EXPECT_EQ(&current_runtime::get("reduce_grad"), current_runtime::tryGet());
+    EXPECT_EQ(current_runtime::get("reduce_grad"), current_runtime::tryGet());
     // init() twice replaces the runtime.
     current_runtime::replace(singleRankRuntime());
-    EXPECT_EQ(current_runtime::get("x").worldSize(), 1);
+    EXPECT_EQ(current_runtime::get("x")->worldSize(), 1);
     // cleanup() twice is harmless.
     current_runtime::destroy();
     current_runtime::destroy();

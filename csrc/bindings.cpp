@@ -209,7 +209,7 @@ PYBIND11_MODULE(_C, m)
                                                        expected_grad_dtype);
           },
           py::arg("ds_id"), py::arg("ds_shape"), py::arg("ds_tensor"), py::arg("grad_buffer"),
-          py::arg("persistent"), py::arg("expected_grad_dtype") = py::none(), NO_GIL,
+          py::arg("persistent").noconvert(), py::arg("expected_grad_dtype") = py::none(), NO_GIL,
           "Register a ZeRO-3 param. An empty or None grad_buffer registers it frozen.");
     m.def("register_graph_z3",
           [](int64_t graph_id, const std::vector<int64_t>& ds_ids) {
@@ -246,9 +246,9 @@ PYBIND11_MODULE(_C, m)
     m.def("start_forward", [] { get("start_forward")->startForward(); }, NO_GIL);
     m.def("end_forward", [] { get("end_forward")->endForward(); }, NO_GIL);
     m.def("start_backward", [](bool update) { get("start_backward")->startBackward(update); },
-          py::arg("update"), NO_GIL);
+          py::arg("update").noconvert(), NO_GIL);
     m.def("enable_profiling", [](bool enable) { get("enable_profiling")->enableProfiling(enable); },
-          py::arg("enable"), NO_GIL);
+          py::arg("enable").noconvert(), NO_GIL);
     m.def("is_profiling", [] { return get("is_profiling")->isProfiling(); }, NO_GIL);
     m.def("invalidate_gathered_param",
           [](int64_t ds_id) { get("invalidate_gathered_param")->invalidateGatheredParam(ds_id); },
@@ -259,7 +259,7 @@ PYBIND11_MODULE(_C, m)
     // --- ours ---
     m.def("set_param_frozen",
           [](int64_t ds_id, bool frozen) { get("set_param_frozen")->setParamFrozen(ds_id, frozen); },
-          py::arg("ds_id"), py::arg("frozen"), NO_GIL,
+          py::arg("ds_id"), py::arg("frozen").noconvert(), NO_GIL,
           "Mark a param frozen (never reduced; a gradient for it is an error) or trainable.");
     m.def("is_param_frozen", [](int64_t ds_id) { return get("is_param_frozen")->isParamFrozen(ds_id); },
           py::arg("ds_id"), NO_GIL);

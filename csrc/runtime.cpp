@@ -25,7 +25,12 @@ int64_t numelOf(const std::vector<int64_t>& shape, const char* op, int64_t ds_id
     int64_t n = 1;
     for (int64_t d : shape) {
         DSZ_CHECK(d >= 0, op, "ds_id ", ds_id, " has a negative dimension in ds_shape: ", d);
-        n *= d;
+    }
+    for (int64_t d : shape) {
+        // A wrapped product (e.g. [2**32, 2**32] -> 0) would register a param of the wrong size.
+        DSZ_CHECK(!__builtin_mul_overflow(n, d, &n), op, "ds_id ", ds_id,
+                  ": the element count of ds_shape ", c10::IntArrayRef(shape),
+                  " overflows int64");
     }
     return n;
 }
@@ -101,6 +106,24 @@ ParamEntry& Runtime::member(GraphExecutor& ex, int64_t ds_id, const char* op)
     return p;
 }
 
+// A gradient already queued for `next.ds_id` must still be reducible once `next` replaces the
+// entry; otherwise the bucket flush would have to refuse it (and ranks would disagree).
+void Runtime::requireQueuedStaysReducible(const ParamEntry& next, const char* op)
+{
+    const int64_t slot = reducer_.queuedSlotNumel(next.ds_id);
+    if (slot < 0) { return; }
+    try {
+        DSZ_CHECK(next.slotNumel() == slot, op, "ds_id ", next.ds_id,
+                  " would take ", next.slotNumel(), " elements in a reduce bucket, its queued "
+                  "gradient takes ", slot);
+        GradReducer::requireReducible(next, op);
+    } catch (const c10::Error& e) {
+        DSZ_FAIL(op, "ds_id ", next.ds_id, " has a gradient queued for reduction that this "
+                 "change would drop; call it after end_backward. (", e.what_without_backtrace(),
+                 ")");
+    }
+}
+
 // ---------------------------------------------------------------- registration
 
 void Runtime::registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape,
@@ -125,8 +148,9 @@ void Runtime::registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape,
     e.persistent = persistent;
     e.expected_grad_dtype = expected_grad_dtype;
     if (expected_grad_dtype) {
-        DSZ_CHECK(at::isFloatingType(*expected_grad_dtype), op, "expected_grad_dtype of ds_id ",
-                  ds_id, " must be floating point, got ", *expected_grad_dtype);
+        DSZ_CHECK(GradReducer::reducibleDtype(*expected_grad_dtype), op,
+                  "expected_grad_dtype of ds_id ", ds_id,
+                  " must be Float, Double, Half or BFloat16, got ", *expected_grad_dtype);
     }
     // An undefined or empty buffer is how DeepSpeed registers a param without gradients.
     e.frozen = !(grad_buffer.defined() && grad_buffer.numel() > 0);
@@ -134,6 +158,7 @@ void Runtime::registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape,
         prepareGradBuffer(grad_buffer, e, 0, op);
         e.grad_buffer = grad_buffer;
     }
+    requireQueuedStaysReducible(e, op);
     // Registering an id again replaces it (and drops its gathered copy): the latest shard wins.
     registry_.put(std::move(e));
 }
@@ -156,6 +181,9 @@ void Runtime::registerParam(int64_t ds_id, const std::vector<int64_t>& shape,
     e.shard = param;
     e.partitioned = false;
     // Checked before the entry is stored: a refused call leaves the registry as it was.
+    ParamEntry check = e;
+    check.grad_buffer = grad_buffer;
+    requireQueuedStaysReducible(check, op);
     prepareGradBuffer(grad_buffer, e, offset, op);
     e.grad_buffer = grad_buffer;
     e.grad_offset = offset;
@@ -167,6 +195,9 @@ void Runtime::updateParamGradBuffer(int64_t ds_id, const at::Tensor& grad_buffer
     DSZ_LOCK;
     const char* op = "update_param_grad_buffer";
     ParamEntry& p = registry_.get(ds_id, op);
+    ParamEntry check = p;
+    check.grad_buffer = grad_buffer;
+    requireQueuedStaysReducible(check, op);
     prepareGradBuffer(grad_buffer, p, offset, op);
     p.grad_buffer = grad_buffer;
     p.grad_offset = offset;
@@ -253,7 +284,12 @@ Runtime::PersistenceUse Runtime::persistenceUse()
 void Runtime::setParamFrozen(int64_t ds_id, bool frozen)
 {
     DSZ_LOCK;
-    registry_.get(ds_id, "set_param_frozen").frozen = frozen;
+    const char* op = "set_param_frozen";
+    ParamEntry& p = registry_.get(ds_id, op);
+    ParamEntry check = p;
+    check.frozen = frozen;
+    requireQueuedStaysReducible(check, op);
+    p.frozen = frozen;
 }
 
 bool Runtime::isParamFrozen(int64_t ds_id)
@@ -354,7 +390,11 @@ void Runtime::waitAllgather(int64_t graph_id, int64_t ds_id)
 {
     DSZ_LOCK;
     const char* op = "wait_allgather";
-    gatherer_.wait(member(executor(graph_id, op), ds_id, op));
+    ParamEntry& p = member(executor(graph_id, op), ds_id, op);
+    DSZ_CHECK(p.has_gathered, op, "ds_id ", ds_id, " of graph ", graph_id,
+              " is not gathered: wait_allgather without a preceding allgather_param or "
+              "prefetch_params_fused, or after its last release_param");
+    gatherer_.wait(p);
 }
 
 void Runtime::releaseParam(int64_t graph_id, int64_t ds_id, int64_t n_users)
@@ -363,6 +403,11 @@ void Runtime::releaseParam(int64_t graph_id, int64_t ds_id, int64_t n_users)
     const char* op = "release_param";
     GraphExecutor& ex = executor(graph_id, op);
     ParamEntry& p = member(ex, ds_id, op);
+    // Checked before the use count changes: a count started without a gather would carry over
+    // and free the next real gather after its first user.
+    DSZ_CHECK(p.has_gathered, op, "ds_id ", ds_id, " of graph ", graph_id, " (n_users ", n_users,
+              ") is not gathered: release_param without a preceding allgather_param, or a "
+              "release after its last user");
     if (ex.releaseUse(ds_id, n_users, op) && !p.persistent) { gatherer_.free(p, op); }
 }
 
@@ -496,6 +541,12 @@ void Runtime::reloadParameter(int64_t graph_id, int64_t ds_id)
     p.offload_done.reset();
     p.reload_done = device_->newEvent();
     p.reload_done->record(StreamRole::Reload);
+}
+
+void Runtime::requireParam(int64_t ds_id, const char* op)
+{
+    DSZ_LOCK;
+    registry_.get(ds_id, op);
 }
 
 at::Tensor Runtime::gatheredMeta(int64_t ds_id, std::optional<at::ScalarType> dtype)

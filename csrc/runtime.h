@@ -101,6 +101,8 @@ public:
     void offloadParameter(int64_t graph_id, int64_t ds_id);
     void reloadParameter(int64_t graph_id, int64_t ds_id);
     at::Tensor gatheredMeta(int64_t ds_id, std::optional<at::ScalarType> dtype);
+    // Throws naming `op` when ds_id is not registered (the Meta kernels' check).
+    void requireParam(int64_t ds_id, const char* op);
 
     // --- introspection ---
     int64_t rank() const { return comm_->rank(); }
@@ -126,6 +128,7 @@ private:
     GraphExecutor& executor(int64_t graph_id, const char* op);
     ParamEntry& member(GraphExecutor& ex, int64_t ds_id, const char* op);
     ActivationOffload& offloadFor(int64_t graph_id, const char* op);
+    void requireQueuedStaysReducible(const ParamEntry& next, const char* op);
 
     std::unique_ptr<Collectives> comm_;
     std::unique_ptr<DeviceBackend> device_;

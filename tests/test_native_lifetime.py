@@ -24,7 +24,8 @@ SUBPROCESS_ENV = {"PYTHONPATH": os.pathsep.join(
 PH = torch.empty(0)
 
 # Messages a call racing cleanup()/init()/reset() may end with: each names what is missing.
-_RACE_ERRORS = ("not initialized", "unknown graph_id", "unknown ds_id")
+_RACE_ERRORS = ("not initialized", "unknown graph_id", "unknown ds_id",
+                "is not gathered")  # released on a runtime that replaced the one it gathered on
 
 _PRELUDE = r'''
 import json, threading, torch, torch.distributed as dist
@@ -122,7 +123,7 @@ def ops():
         except Exception as e:
             errors.append(e)
 
-workers = [threading.Thread(target=ops) for _ in range(2)]
+workers = [threading.Thread(target=ops)]  # one: two would release each other's gathers
 for w in workers:
     w.start()
 for i in range(2000):

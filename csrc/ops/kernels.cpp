@@ -150,16 +150,59 @@ void prefetch_params_fused_meta(int64_t graph_id, at::TensorList params, at::Int
               ": ", params.size(), " params but ", ids.size(), " ids");
 }
 
-at::Tensor alias_meta(const at::Tensor& a, int64_t, int64_t) { return a; }
-at::Tensor release_param_meta(const at::Tensor& a, int64_t, int64_t, int64_t) { return a; }
-at::Tensor reduce_grad_meta(const at::Tensor& a, int64_t, int64_t)
+namespace {
+
+// The ds_id checks of the device kernels, for the Meta kernels: a trace (fake tensors) and a call
+// with real meta tensors see the same unknown-id errors as a run.
+void requireParamMeta(int64_t id, const char* op)
 {
+    GilReleasedIfHeld no_gil;  // see python_gil.h
+    get(op)->requireParam(id, op);
+}
+
+// A meta tensor outside a trace: a FakeTensorMode trace hands the Meta kernels fake tensors
+// (Python key set); plain meta tensors hold no values.
+bool plainMeta(const at::Tensor& t)
+{
+    return t.defined() && t.is_meta() && !t.key_set().has(c10::DispatchKey::Python);
+}
+
+}  // namespace
+
+at::Tensor wait_allgather_meta(const at::Tensor& a, int64_t, int64_t id)
+{
+    requireParamMeta(id, "wait_allgather (meta)");
+    return a;
+}
+
+at::Tensor release_param_meta(const at::Tensor& a, int64_t, int64_t id, int64_t n_users)
+{
+    requireParamMeta(id, "release_param (meta)");
+    DSZ_CHECK(n_users >= 1, "release_param (meta)", "n_users must be >= 1 for ds_id ", id,
+              ", got ", n_users);
+    return a;
+}
+
+at::Tensor reduce_grad_meta(const at::Tensor& a, int64_t, int64_t id)
+{
+    requireParamMeta(id, "reduce_grad (meta)");
+    // Outside a trace a meta gradient would be dropped without a word: it has no values.
+    DSZ_CHECK(!plainMeta(a), "reduce_grad (meta)", "gradient of ds_id ", id, " (shape ",
+              a.sizes(), ") is a meta tensor: it holds no values to reduce");
     return at::empty({0}, a.options());
 }
 void free_tensors_meta(at::TensorList) {}
 at::Tensor like_meta(const at::Tensor& a, int64_t, int64_t) { return at::empty_like(a); }
-void param_offload_meta(const at::Tensor&, int64_t, int64_t) {}
+void offload_parameter_meta(const at::Tensor&, int64_t, int64_t id)
+{
+    requireParamMeta(id, "offload_parameter (meta)");
+}
+void reload_parameter_meta(const at::Tensor&, int64_t, int64_t id)
+{
+    requireParamMeta(id, "reload_parameter (meta)");
+}
 void end_backward_meta(const c10::IValue&, int64_t, bool) {}
 at::Tensor test_call_meta(const at::Tensor& a) { return at::empty_like(a); }
+
 
 }  // namespace dsz::ops

@@ -204,5 +204,4 @@ void reload_parameter_meta(const at::Tensor&, int64_t, int64_t id)
 void end_backward_meta(const c10::IValue&, int64_t, bool) {}
 at::Tensor test_call_meta(const at::Tensor& a) { return at::empty_like(a); }
 
-
 }  // namespace dsz::ops

@@ -64,14 +64,17 @@ at::Tensor Gatherer::prepareBuffer(ParamEntry& p, at::ScalarType dtype)
                      at::TensorOptions().dtype(dtype).device(device_.computeDevice()));
 }
 
-// The dtypes every collectives backend gathers (NCCL's list; gloo takes them all).
-static void requireGatherDtype(const ParamEntry& p, at::ScalarType dtype, const char* op)
+// The dtypes every collectives backend gathers (NCCL's list; gloo takes them all). Checked
+// before anything is marked gathered.
+static void requireGatherDtype(const ParamEntry& p, at::ScalarType dtype, const char* op,
+                               const Collectives& comm)
 {
     const bool ok = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kDouble ||
                     dtype == at::kBFloat16 || dtype == at::kLong || dtype == at::kInt ||
                     dtype == at::kChar || dtype == at::kByte;
-    DSZ_CHECK(ok, op, "ds_id ", p.ds_id, " cannot be gathered in ", dtype,
-              " (the collectives take Float, Half, Double, BFloat16, Long, Int, Char, Byte)");
+    DSZ_CHECK(ok, op, "ds_id ", p.ds_id, " cannot be gathered in ", dtype, " by ", comm.name(),
+              " (dtypes supported by NCCL, and so by every backend: Float, Half, Double, "
+              "BFloat16, Long, Int, Char, Byte)");
 }
 
 void Gatherer::gatherInto(ParamEntry& p, const at::Tensor& buffer)
@@ -95,7 +98,7 @@ at::Tensor Gatherer::gather(ParamEntry& p, std::optional<at::ScalarType> dtype, 
     DSZ_CHECK(p.partitioned, op, "ds_id ", p.ds_id,
               " was registered with register_param (ZeRO-1/2) and is not partitioned");
     const at::ScalarType target = dtype.value_or(p.shard.scalar_type());
-    requireGatherDtype(p, target, op);
+    requireGatherDtype(p, target, op, comm_);
     const bool have_copy = p.valid && p.gathered.defined();
     if (!have_copy) { requireShardData(p, op); }
     if (have_copy) {
@@ -151,7 +154,7 @@ void Gatherer::prefetch(const std::vector<ParamEntry*>& params,
         ParamEntry& p = *params[i];
         DSZ_CHECK(p.partitioned, op, "ds_id ", p.ds_id, " is not a ZeRO-3 parameter");
         const at::ScalarType dtype = dtypes[i].value_or(p.shard.scalar_type());
-        requireGatherDtype(p, dtype, op);
+        requireGatherDtype(p, dtype, op, comm_);
         if (p.valid && p.gathered.defined()) { continue; }
         requireShardData(p, op);
         todo.emplace_back(&p, dtype);

@@ -20,21 +20,32 @@ const char* buildFlavour()
 #endif
 }
 
-Backends makeBackends(const c10::intrusive_ptr<c10d::ProcessGroup>& pg)
+namespace {
+bool isNccl(const c10d::ProcessGroup& pg)
+{
+    return pg.getBackendName().find("nccl") != std::string::npos;
+}
+}  // namespace
+
+void checkBackends(const c10::intrusive_ptr<c10d::ProcessGroup>& pg)
 {
     DSZ_CHECK(pg, "init", "process_group is None");
-    const std::string backend = pg->getBackendName();
-    const bool nccl = backend.find("nccl") != std::string::npos;
+#ifndef DSZ_WITH_CUDA
+    DSZ_CHECK(!isNccl(*pg), "init", "the process group uses '", pg->getBackendName(),
+              "' but this ds_z3native build has no CUDA (build flavour 'cpu'); reinstall "
+              "with CUDA available (pip install --no-build-isolation -e . with CUDA_HOME set) "
+              "or use a gloo process group");
+#endif
+}
+
+Backends makeBackends(const c10::intrusive_ptr<c10d::ProcessGroup>& pg)
+{
+    checkBackends(pg);
     Backends b;
-    if (nccl) {
+    if (isNccl(*pg)) {
 #ifdef DSZ_WITH_CUDA
         b.device = makeCudaDevice();
         b.comm = makeNcclCollectives(pg);
-#else
-        DSZ_FAIL("init", "the process group uses '", backend,
-                 "' but this ds_z3native build has no CUDA (build flavour 'cpu'); reinstall "
-                 "with CUDA available (pip install --no-build-isolation -e . with CUDA_HOME set) "
-                 "or use a gloo process group");
 #endif
     } else {
         b.device = makeHostDevice();

@@ -18,6 +18,8 @@ struct Backends {
 };
 
 Backends makeBackends(const c10::intrusive_ptr<c10d::ProcessGroup>& pg);
+// Throws (naming init) when makeBackends would refuse `pg`, before anything is created.
+void checkBackends(const c10::intrusive_ptr<c10d::ProcessGroup>& pg);
 
 // "cpu" or "cuda": what this extension was built with.
 const char* buildFlavour();

@@ -93,17 +93,25 @@ void init(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const py::object& co
     c.offload_activation_pin_memory =
         configValue<bool>(config, "offload_activation_pin_memory", c.offload_activation_pin_memory);
     c.persistence_budget_bytes = persistenceBudgetFromEnv();
-    // A second init() replaces the first: its communicator and buffers are released first.
+    // A refused init() keeps the live runtime: everything that can be checked before the new
+    // backends exist is checked first.
+    Runtime::checkConfig(c);
+    dsz::checkBackends(pg);
+    // Without the GIL: an NCCL group's init waits on the other ranks, and ending the old runtime
+    // may wait on its communicator.
+    py::gil_scoped_release no_gil;
+    // A second init() replaces the first: its communicator and buffers are released first (once
+    // the calls still running on it have returned).
     dsz::current_runtime::destroy();
     dsz::Backends b = dsz::makeBackends(pg);
     dsz::current_runtime::replace(
-        std::make_unique<Runtime>(std::move(b.comm), std::move(b.device), c));
+        std::make_shared<Runtime>(std::move(b.comm), std::move(b.device), c));
 }
 
 py::dict persistenceInfo()
 {
     const Runtime::PersistenceUse u =
-        withoutGil([] { return get("persistence_info").persistenceUse(); });
+        withoutGil([] { return get("persistence_info")->persistenceUse(); });
     py::dict d;
     d["budget_bytes"] = u.budget_bytes ? py::object(py::int_(*u.budget_bytes)) : py::object(py::none());
     d["selected_bytes"] = u.selected_bytes;
@@ -145,7 +153,7 @@ py::dict buildInfo()
 
 py::dict commStats()
 {
-    const dsz::CommStats s = withoutGil([] { return get("comm_stats").stats(); });
+    const dsz::CommStats s = withoutGil([] { return get("comm_stats")->stats(); });
     py::dict d;
     d["allgather_calls"] = s.allgather_calls;
     d["allgather_bytes"] = s.allgather_bytes;
@@ -161,7 +169,7 @@ py::dict commStats()
 py::dict paramState(int64_t ds_id)
 {
     const Runtime::ParamState s =
-        withoutGil([&] { return get("param_state").paramState(ds_id); });
+        withoutGil([&] { return get("param_state")->paramState(ds_id); });
     py::dict d;
     d["frozen"] = s.frozen;
     d["persistent"] = s.persistent;
@@ -177,14 +185,14 @@ py::dict paramState(int64_t ds_id)
 
 py::dict runtimeInfo()
 {
-    Runtime& rt = get("runtime_info");
+    std::shared_ptr<Runtime> rt = get("runtime_info");
     py::dict d;
-    d["rank"] = rt.rank();
-    d["world_size"] = rt.worldSize();
-    d["collectives"] = std::string(rt.commName());
-    d["device"] = std::string(rt.deviceName());
-    d["graphs"] = withoutGil([&] { return rt.graphIds(); });
-    d["pending_gradients"] = withoutGil([&] { return rt.pendingGradients(); });
+    d["rank"] = rt->rank();
+    d["world_size"] = rt->worldSize();
+    d["collectives"] = std::string(rt->commName());
+    d["device"] = std::string(rt->deviceName());
+    d["graphs"] = withoutGil([&] { return rt->graphIds(); });
+    d["pending_gradients"] = withoutGil([&] { return rt->pendingGradients(); });
     return d;
 }
 
@@ -198,81 +206,82 @@ PYBIND11_MODULE(_C, m)
     m.def("init", &init, py::arg("process_group"), py::arg("config"),
           py::arg("initial_reduce_bucket_size"),
           "Create the runtime over a process group (replaces an earlier one).");
-    m.def("cleanup", [] { dsz::current_runtime::destroy(); },
-          "End the runtime and release its communicator and buffers; safe to call again.");
+    m.def("cleanup", [] { dsz::current_runtime::destroy(); }, NO_GIL,
+          "End the runtime and release its communicator and buffers (once the calls running on "
+          "it have returned); safe to call again.");
     m.def("reset", [] {
-        if (Runtime* rt = dsz::current_runtime::tryGet()) { rt->reset(); }
-    }, "Drop every graph executor (before a recompile); params stay registered.");
+        if (std::shared_ptr<Runtime> rt = dsz::current_runtime::tryGet()) { rt->reset(); }
+    }, NO_GIL, "Drop every graph executor (before a recompile); params stay registered.");
     m.def("register_z3_param",
           [](int64_t ds_id, const std::vector<int64_t>& ds_shape, const at::Tensor& ds_tensor,
              const std::optional<at::Tensor>& grad_buffer, bool persistent,
              std::optional<at::ScalarType> expected_grad_dtype) {
-              get("register_z3_param").registerZ3Param(ds_id, ds_shape, ds_tensor,
+              get("register_z3_param")->registerZ3Param(ds_id, ds_shape, ds_tensor,
                                                        orUndefined(grad_buffer), persistent,
                                                        expected_grad_dtype);
           },
           py::arg("ds_id"), py::arg("ds_shape"), py::arg("ds_tensor"), py::arg("grad_buffer"),
-          py::arg("persistent"), py::arg("expected_grad_dtype") = py::none(), NO_GIL,
+          py::arg("persistent").noconvert(), py::arg("expected_grad_dtype") = py::none(), NO_GIL,
           "Register a ZeRO-3 param. An empty or None grad_buffer registers it frozen.");
     m.def("register_graph_z3",
           [](int64_t graph_id, const std::vector<int64_t>& ds_ids) {
-              get("register_graph_z3").registerGraph(graph_id, ds_ids, dsz::ZeroStage::Z3);
+              get("register_graph_z3")->registerGraph(graph_id, ds_ids, dsz::ZeroStage::Z3);
           },
           py::arg("graph_id"), py::arg("ds_ids"), NO_GIL);
     m.def("register_param",
           [](int64_t ds_id, const std::vector<int64_t>& ds_shape, const at::Tensor& param,
              const std::optional<at::Tensor>& grad_buffer, int64_t offset) {
-              get("register_param").registerParam(ds_id, ds_shape, param, orUndefined(grad_buffer),
+              get("register_param")->registerParam(ds_id, ds_shape, param, orUndefined(grad_buffer),
                                                   offset);
           },
           py::arg("ds_id"), py::arg("ds_shape"), py::arg("param"), py::arg("grad_buffer"),
           py::arg("offset"), NO_GIL, "Register a ZeRO-1/2 param.");
     m.def("update_param_grad_buffer",
           [](int64_t ds_id, const std::optional<at::Tensor>& grad_buffer, int64_t offset) {
-              get("update_param_grad_buffer").updateParamGradBuffer(ds_id, orUndefined(grad_buffer),
+              get("update_param_grad_buffer")->updateParamGradBuffer(ds_id, orUndefined(grad_buffer),
                                                                     offset);
           },
           py::arg("ds_id"), py::arg("grad_buffer"), py::arg("offset"), NO_GIL);
     m.def("register_graph_z1",
           [](int64_t graph_id, const std::vector<int64_t>& ds_ids) {
-              get("register_graph_z1").registerGraph(graph_id, ds_ids, dsz::ZeroStage::Z1);
+              get("register_graph_z1")->registerGraph(graph_id, ds_ids, dsz::ZeroStage::Z1);
           },
           py::arg("graph_id"), py::arg("ds_ids"), NO_GIL);
     m.def("register_graph_z2",
           [](int64_t graph_id, const std::vector<int64_t>& ds_ids) {
-              get("register_graph_z2").registerGraph(graph_id, ds_ids, dsz::ZeroStage::Z2);
+              get("register_graph_z2")->registerGraph(graph_id, ds_ids, dsz::ZeroStage::Z2);
           },
           py::arg("graph_id"), py::arg("ds_ids"), NO_GIL);
-    m.def("set_persistent", [](int64_t ds_id) { get("set_persistent").setPersistent(ds_id); },
+    m.def("set_persistent", [](int64_t ds_id) { get("set_persistent")->setPersistent(ds_id); },
           py::arg("ds_id"), NO_GIL,
           "Keep a param gathered (gathers it now if needed).");
-    m.def("start_forward", [] { get("start_forward").startForward(); }, NO_GIL);
-    m.def("end_forward", [] { get("end_forward").endForward(); }, NO_GIL);
-    m.def("start_backward", [](bool update) { get("start_backward").startBackward(update); },
-          py::arg("update"), NO_GIL);
-    m.def("enable_profiling", [](bool enable) { get("enable_profiling").enableProfiling(enable); },
-          py::arg("enable"), NO_GIL);
-    m.def("is_profiling", [] { return get("is_profiling").isProfiling(); }, NO_GIL);
+    m.def("start_forward", [] { get("start_forward")->startForward(); }, NO_GIL);
+    m.def("end_forward", [] { get("end_forward")->endForward(); }, NO_GIL);
+    m.def("start_backward", [](bool update) { get("start_backward")->startBackward(update); },
+          py::arg("update").noconvert(), NO_GIL);
+    m.def("enable_profiling", [](bool enable) { get("enable_profiling")->enableProfiling(enable); },
+          py::arg("enable").noconvert(), NO_GIL);
+    m.def("is_profiling", [] { return get("is_profiling")->isProfiling(); }, NO_GIL);
     m.def("invalidate_gathered_param",
-          [](int64_t ds_id) { get("invalidate_gathered_param").invalidateGatheredParam(ds_id); },
+          [](int64_t ds_id) { get("invalidate_gathered_param")->invalidateGatheredParam(ds_id); },
           py::arg("ds_id"), NO_GIL);
     m.def("clear_all_gathered_params",
-          [] { get("clear_all_gathered_params").clearAllGatheredParams(); }, NO_GIL);
+          [] { get("clear_all_gathered_params")->clearAllGatheredParams(); }, NO_GIL);
 
     // --- ours ---
     m.def("set_param_frozen",
-          [](int64_t ds_id, bool frozen) { get("set_param_frozen").setParamFrozen(ds_id, frozen); },
-          py::arg("ds_id"), py::arg("frozen"), NO_GIL,
+          [](int64_t ds_id, bool frozen) { get("set_param_frozen")->setParamFrozen(ds_id, frozen); },
+          py::arg("ds_id"), py::arg("frozen").noconvert(), NO_GIL,
           "Mark a param frozen (never reduced; a gradient for it is an error) or trainable.");
-    m.def("is_param_frozen", [](int64_t ds_id) { return get("is_param_frozen").isParamFrozen(ds_id); },
+    m.def("is_param_frozen", [](int64_t ds_id) { return get("is_param_frozen")->isParamFrozen(ds_id); },
           py::arg("ds_id"), NO_GIL);
     m.def("current_graph_task_id", [] { return torch::autograd::get_current_graph_task_id(); },
           "The autograd engine's current graph task id; -1 outside backward.");
     m.def("build_info", &buildInfo, "How this extension was built.");
-    m.def("is_initialized", [] { return dsz::current_runtime::tryGet() != nullptr; });
+    m.def("is_initialized", [] { return dsz::current_runtime::tryGet() != nullptr; }, NO_GIL);
     m.def("runtime_info", &runtimeInfo, "Rank, world size and backends of the live runtime.");
     m.def("set_persistence_budget",
-          [](std::optional<int64_t> bytes) { get("set_persistence_budget").setPersistenceBudget(bytes); },
+          [](std::optional<int64_t> bytes) { get("set_persistence_budget")->setPersistenceBudget(bytes); },
           py::arg("bytes"), NO_GIL,
           "Bytes DeepCompile's selective gather (set_persistent) may keep gathered in the live "
           "runtime; None = no limit. init() takes it from DS_Z3NATIVE_PERSISTENCE_BUDGET_MB.");
@@ -280,14 +289,14 @@ PYBIND11_MODULE(_C, m)
           "The set_persistent budget and what it kept: budget_bytes, selected_bytes, selected, "
           "declined.");
     m.def("comm_stats", &commStats, "Collectives issued since init() or reset_comm_stats().");
-    m.def("reset_comm_stats", [] { get("reset_comm_stats").resetStats(); }, NO_GIL);
+    m.def("reset_comm_stats", [] { get("reset_comm_stats")->resetStats(); }, NO_GIL);
     m.def("param_state", &paramState, py::arg("ds_id"), "One param's flags and sizes.");
     m.def("alias_graph",
-          [](int64_t alias_id, int64_t graph_id) { get("alias_graph").aliasGraph(alias_id, graph_id); },
+          [](int64_t alias_id, int64_t graph_id) { get("alias_graph")->aliasGraph(alias_id, graph_id); },
           py::arg("alias_id"), py::arg("graph_id"), NO_GIL,
           "A second id for a registered graph, resolved by every dc op taking a graph_id; "
           "dropped by reset().");
-    m.def("graph_aliases", [] { return withoutGil([] { return get("graph_aliases").graphAliases(); }); },
+    m.def("graph_aliases", [] { return withoutGil([] { return get("graph_aliases")->graphAliases(); }); },
           "The graph aliases: {alias_id: graph_id}.");
 
     // The runtime may hold a process group: release it while the interpreter is still alive.

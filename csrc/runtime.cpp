@@ -25,7 +25,12 @@ int64_t numelOf(const std::vector<int64_t>& shape, const char* op, int64_t ds_id
     int64_t n = 1;
     for (int64_t d : shape) {
         DSZ_CHECK(d >= 0, op, "ds_id ", ds_id, " has a negative dimension in ds_shape: ", d);
-        n *= d;
+    }
+    for (int64_t d : shape) {
+        // A wrapped product (e.g. [2**32, 2**32] -> 0) would register a param of the wrong size.
+        DSZ_CHECK(!__builtin_mul_overflow(n, d, &n), op, "ds_id ", ds_id,
+                  ": the element count of ds_shape ", c10::IntArrayRef(shape),
+                  " overflows int64");
     }
     return n;
 }
@@ -36,6 +41,8 @@ int64_t numelOf(const std::vector<int64_t>& shape, const char* op, int64_t ds_id
 void prepareGradBuffer(const at::Tensor& buf, const ParamEntry& e, int64_t offset, const char* op)
 {
     if (!buf.defined() || buf.numel() == 0) { return; }
+    DSZ_CHECK(hasData(buf), op, "grad buffer of ds_id ", e.ds_id, " (shape ", buf.sizes(),
+              ") has no data (a meta tensor, or its storage was freed)");
     DSZ_CHECK(at::isFloatingType(buf.scalar_type()), op, "grad buffer of ds_id ", e.ds_id,
               " must be floating point, got ", buf.scalar_type());
     DSZ_CHECK(buf.is_contiguous(), op, "grad buffer of ds_id ", e.ds_id, " must be contiguous");
@@ -62,9 +69,17 @@ Runtime::Runtime(std::unique_ptr<Collectives> comm,
       gatherer_(*comm_, *device_, stats_),
       reducer_(registry_, *comm_, *device_, stats_, config.reduce_bucket_size, config.double_buffer)
 {
+    checkConfig(config);
+    persistence_.budget_bytes = config.persistence_budget_bytes;
+}
+
+void Runtime::checkConfig(const RuntimeConfig& config)
+{
+    DSZ_CHECK(config.reduce_bucket_size >= 1, "init",
+              "initial_reduce_bucket_size must be >= 1, got ", config.reduce_bucket_size);
     DSZ_CHECK(config.free_activation_threshold >= 0, "init",
               "free_activation_threshold must be >= 0, got ", config.free_activation_threshold);
-    persistence_.budget_bytes = checkedBudget(config.persistence_budget_bytes, "init");
+    checkedBudget(config.persistence_budget_bytes, "init");
 }
 
 Runtime::~Runtime() = default;
@@ -91,6 +106,24 @@ ParamEntry& Runtime::member(GraphExecutor& ex, int64_t ds_id, const char* op)
     return p;
 }
 
+// A gradient already queued for `next.ds_id` must still be reducible once `next` replaces the
+// entry; otherwise the bucket flush would have to refuse it (and ranks would disagree).
+void Runtime::requireQueuedStaysReducible(const ParamEntry& next, const char* op)
+{
+    const int64_t slot = reducer_.queuedSlotNumel(next.ds_id);
+    if (slot < 0) { return; }
+    try {
+        DSZ_CHECK(next.slotNumel() == slot, op, "ds_id ", next.ds_id,
+                  " would take ", next.slotNumel(), " elements in a reduce bucket, its queued "
+                  "gradient takes ", slot);
+        GradReducer::requireReducible(next, op);
+    } catch (const c10::Error& e) {
+        DSZ_FAIL(op, "ds_id ", next.ds_id, " has a gradient queued for reduction that this "
+                 "change would drop; call it after end_backward. (", e.what_without_backtrace(),
+                 ")");
+    }
+}
+
 // ---------------------------------------------------------------- registration
 
 void Runtime::registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape,
@@ -100,6 +133,8 @@ void Runtime::registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape,
     DSZ_LOCK;
     const char* op = "register_z3_param";
     DSZ_CHECK(shard.defined(), op, "ds_tensor of ds_id ", ds_id, " is undefined");
+    DSZ_CHECK(hasData(shard), op, "ds_tensor of ds_id ", ds_id, " (shape ", shard.sizes(),
+              ") has no data (a meta tensor, or its storage was freed)");
     ParamEntry e;
     e.ds_id = ds_id;
     e.shape = shape;
@@ -113,8 +148,9 @@ void Runtime::registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape,
     e.persistent = persistent;
     e.expected_grad_dtype = expected_grad_dtype;
     if (expected_grad_dtype) {
-        DSZ_CHECK(at::isFloatingType(*expected_grad_dtype), op, "expected_grad_dtype of ds_id ",
-                  ds_id, " must be floating point, got ", *expected_grad_dtype);
+        DSZ_CHECK(GradReducer::reducibleDtype(*expected_grad_dtype), op,
+                  "expected_grad_dtype of ds_id ", ds_id,
+                  " must be Float, Double, Half or BFloat16, got ", *expected_grad_dtype);
     }
     // An undefined or empty buffer is how DeepSpeed registers a param without gradients.
     e.frozen = !(grad_buffer.defined() && grad_buffer.numel() > 0);
@@ -122,6 +158,7 @@ void Runtime::registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape,
         prepareGradBuffer(grad_buffer, e, 0, op);
         e.grad_buffer = grad_buffer;
     }
+    requireQueuedStaysReducible(e, op);
     // Registering an id again replaces it (and drops its gathered copy): the latest shard wins.
     registry_.put(std::move(e));
 }
@@ -132,6 +169,8 @@ void Runtime::registerParam(int64_t ds_id, const std::vector<int64_t>& shape,
     DSZ_LOCK;
     const char* op = "register_param";
     DSZ_CHECK(param.defined(), op, "param of ds_id ", ds_id, " is undefined");
+    DSZ_CHECK(hasData(param), op, "param of ds_id ", ds_id, " (shape ", param.sizes(),
+              ") has no data (a meta tensor, or its storage was freed)");
     ParamEntry e;
     e.ds_id = ds_id;
     e.shape = shape;
@@ -142,6 +181,9 @@ void Runtime::registerParam(int64_t ds_id, const std::vector<int64_t>& shape,
     e.shard = param;
     e.partitioned = false;
     // Checked before the entry is stored: a refused call leaves the registry as it was.
+    ParamEntry check = e;
+    check.grad_buffer = grad_buffer;
+    requireQueuedStaysReducible(check, op);
     prepareGradBuffer(grad_buffer, e, offset, op);
     e.grad_buffer = grad_buffer;
     e.grad_offset = offset;
@@ -153,6 +195,9 @@ void Runtime::updateParamGradBuffer(int64_t ds_id, const at::Tensor& grad_buffer
     DSZ_LOCK;
     const char* op = "update_param_grad_buffer";
     ParamEntry& p = registry_.get(ds_id, op);
+    ParamEntry check = p;
+    check.grad_buffer = grad_buffer;
+    requireQueuedStaysReducible(check, op);
     prepareGradBuffer(grad_buffer, p, offset, op);
     p.grad_buffer = grad_buffer;
     p.grad_offset = offset;
@@ -239,7 +284,12 @@ Runtime::PersistenceUse Runtime::persistenceUse()
 void Runtime::setParamFrozen(int64_t ds_id, bool frozen)
 {
     DSZ_LOCK;
-    registry_.get(ds_id, "set_param_frozen").frozen = frozen;
+    const char* op = "set_param_frozen";
+    ParamEntry& p = registry_.get(ds_id, op);
+    ParamEntry check = p;
+    check.frozen = frozen;
+    requireQueuedStaysReducible(check, op);
+    p.frozen = frozen;
 }
 
 bool Runtime::isParamFrozen(int64_t ds_id)
@@ -340,7 +390,11 @@ void Runtime::waitAllgather(int64_t graph_id, int64_t ds_id)
 {
     DSZ_LOCK;
     const char* op = "wait_allgather";
-    gatherer_.wait(member(executor(graph_id, op), ds_id, op));
+    ParamEntry& p = member(executor(graph_id, op), ds_id, op);
+    DSZ_CHECK(p.has_gathered, op, "ds_id ", ds_id, " of graph ", graph_id,
+              " is not gathered: wait_allgather without a preceding allgather_param or "
+              "prefetch_params_fused, or after its last release_param");
+    gatherer_.wait(p);
 }
 
 void Runtime::releaseParam(int64_t graph_id, int64_t ds_id, int64_t n_users)
@@ -349,6 +403,11 @@ void Runtime::releaseParam(int64_t graph_id, int64_t ds_id, int64_t n_users)
     const char* op = "release_param";
     GraphExecutor& ex = executor(graph_id, op);
     ParamEntry& p = member(ex, ds_id, op);
+    // Checked before the use count changes: a count started without a gather would carry over
+    // and free the next real gather after its first user.
+    DSZ_CHECK(p.has_gathered, op, "ds_id ", ds_id, " of graph ", graph_id, " (n_users ", n_users,
+              ") is not gathered: release_param without a preceding allgather_param, or a "
+              "release after its last user");
     if (ex.releaseUse(ds_id, n_users, op) && !p.persistent) { gatherer_.free(p, op); }
 }
 
@@ -360,6 +419,7 @@ void Runtime::reduceGrad(int64_t graph_id, int64_t ds_id, const at::Tensor& grad
     ParamEntry& p = member(ex, ds_id, op);
     if (profiling_) { return; }  // the profiler runs the graph without reducing
     GradReducer::requireReducible(p, op);
+    GradReducer::requireGradient(p, grad, op);  // also before ZeRO-1 keeps it for later
     if (config_.sync_before_reduce) { device_->synchronizeDevice(); }
     if (ex.stage() == ZeroStage::Z1) {
         // ZeRO-1 reduces once per accumulation window, the local sum of its gradients.
@@ -395,7 +455,8 @@ void Runtime::freeTensors(const std::vector<at::Tensor>& tensors)
     if (profiling_) { return; }
     const c10::Device dev = device_->computeDevice();
     for (const at::Tensor& t : tensors) {
-        if (!t.defined() || t.device() != dev || t.numel() <= config_.free_activation_threshold) {
+        if (!t.defined() || t.device() != dev || t.numel() <= config_.free_activation_threshold ||
+            !hasData(t)) {
             continue;
         }
         device_->recordStream(t, StreamRole::Compute);
@@ -468,6 +529,8 @@ void Runtime::reloadParameter(int64_t graph_id, int64_t ds_id)
     ParamEntry& p = member(executor(graph_id, op), ds_id, op);
     const c10::Device dev = device_->computeDevice();
     if (p.shard.device() == dev) { return; }  // resident already
+    DSZ_CHECK(hasData(p.shard), op, "the shard of ds_id ", p.ds_id,
+              " has no data (its storage was freed after registration)");
     auto ready = device_->newEvent();
     ready->record(StreamRole::Compute);
     ready->block(StreamRole::Reload);
@@ -478,6 +541,12 @@ void Runtime::reloadParameter(int64_t graph_id, int64_t ds_id)
     p.offload_done.reset();
     p.reload_done = device_->newEvent();
     p.reload_done->record(StreamRole::Reload);
+}
+
+void Runtime::requireParam(int64_t ds_id, const char* op)
+{
+    DSZ_LOCK;
+    registry_.get(ds_id, op);
 }
 
 at::Tensor Runtime::gatheredMeta(int64_t ds_id, std::optional<at::ScalarType> dtype)
@@ -533,33 +602,51 @@ size_t Runtime::pendingGradients()
 
 namespace current_runtime {
 namespace {
-// Deliberately a raw pointer: nothing is destroyed by static destructors at exit, where a
-// process group torn down after its backend can abort the process. cleanup() frees it.
-Runtime* g_runtime = nullptr;
+// Deliberately never destroyed by static destructors: at exit a process group torn down after its
+// backend can abort the process. cleanup() (and an atexit hook of the module) ends the runtime.
+std::mutex& slotMutex()
+{
+    static auto* m = new std::mutex();
+    return *m;
+}
+std::shared_ptr<Runtime>& slot()
+{
+    static auto* s = new std::shared_ptr<Runtime>();
+    return *s;
+}
+
+// Swaps the slot's runtime for `next` and returns the previous one, which the caller drops
+// outside the slot's lock (its destructor may wait on a communicator).
+std::shared_ptr<Runtime> exchange(std::shared_ptr<Runtime> next)
+{
+    std::lock_guard<std::mutex> guard(slotMutex());
+    std::swap(slot(), next);
+    return next;
+}
 }  // namespace
 
-Runtime& get(const char* op)
+std::shared_ptr<Runtime> get(const char* op)
 {
-    DSZ_CHECK(g_runtime != nullptr, op,
+    std::shared_ptr<Runtime> rt = tryGet();
+    DSZ_CHECK(rt != nullptr, op,
               "the runtime is not initialized: call init(process_group, config, bucket_size) "
               "first (DeepSpeed does this in engine.compile()), or it was ended by cleanup()");
-    return *g_runtime;
+    return rt;
 }
 
-Runtime* tryGet() { return g_runtime; }
+std::shared_ptr<Runtime> tryGet()
+{
+    std::lock_guard<std::mutex> guard(slotMutex());
+    return slot();
+}
 
-void replace(std::unique_ptr<Runtime> runtime)
+void replace(std::shared_ptr<Runtime> runtime)
 {
     destroy();
-    g_runtime = runtime.release();
+    exchange(std::move(runtime));  // a runtime installed meanwhile by another thread ends here
 }
 
-void destroy()
-{
-    Runtime* old = g_runtime;
-    g_runtime = nullptr;
-    delete old;
-}
+void destroy() { exchange(nullptr); }
 
 }  // namespace current_runtime
 

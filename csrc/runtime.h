@@ -46,6 +46,9 @@ public:
             std::unique_ptr<DeviceBackend> device,
             RuntimeConfig config);
     ~Runtime();
+    // Throws (naming init and the value) when the constructor would refuse `config`; init()
+    // checks it before it ends the live runtime.
+    static void checkConfig(const RuntimeConfig& config);
 
     // --- module functions (DeepSpeed's names in the comments) ---
     void registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape, const at::Tensor& shard,
@@ -98,6 +101,8 @@ public:
     void offloadParameter(int64_t graph_id, int64_t ds_id);
     void reloadParameter(int64_t graph_id, int64_t ds_id);
     at::Tensor gatheredMeta(int64_t ds_id, std::optional<at::ScalarType> dtype);
+    // Throws naming `op` when ds_id is not registered (the Meta kernels' check).
+    void requireParam(int64_t ds_id, const char* op);
 
     // --- introspection ---
     int64_t rank() const { return comm_->rank(); }
@@ -123,6 +128,7 @@ private:
     GraphExecutor& executor(int64_t graph_id, const char* op);
     ParamEntry& member(GraphExecutor& ex, int64_t ds_id, const char* op);
     ActivationOffload& offloadFor(int64_t graph_id, const char* op);
+    void requireQueuedStaysReducible(const ParamEntry& next, const char* op);
 
     std::unique_ptr<Collectives> comm_;
     std::unique_ptr<DeviceBackend> device_;
@@ -141,12 +147,14 @@ private:
     std::mutex mutex_;
 };
 
-// The process-wide runtime: created by init(), destroyed by cleanup().
+// The process-wide runtime: created by init(), ended by cleanup(). Every op and function holds a
+// counted reference for its whole call, so cleanup(), init() or reset() from another thread never
+// frees what a running call uses: the runtime is destroyed when its last call returns.
 namespace current_runtime {
 // Throws naming `op` when init() has not been called.
-Runtime& get(const char* op);
-Runtime* tryGet();
-void replace(std::unique_ptr<Runtime> runtime);  // destroys the previous one first
+std::shared_ptr<Runtime> get(const char* op);
+std::shared_ptr<Runtime> tryGet();
+void replace(std::shared_ptr<Runtime> runtime);  // ends the previous one first
 void destroy();
 }  // namespace current_runtime
 

@@ -197,3 +197,68 @@ def test_uninstall_restores_deepspeeds_collectives() -> None:
     finally:
         ds_z3native.uninstall()
     assert {name: TorchBackend.__dict__[name] for name in before} == before
+
+
+# ---- zero3-coalesced-gather-waits-on-every-handle ------------------------------------------
+
+_GATHER_ROUNDS = 60
+
+
+def _coalesced_gathers(rank: int, world_size: int, rounds: int) -> Dict[str, Any]:
+    import deepspeed
+    import deepspeed.ops
+
+    import ds_z3native
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo, no JIT build
+    patches = list(ds_z3native.install().patches)
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(3)
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        # A large first param and small later ones: with gloo's two worker threads the last
+        # all-gather finishes while the first is still in flight.
+        model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(3, 3),
+                                    torch.nn.Linear(2, 2))
+    params = list(model.parameters())
+    reference = []
+    for p in params:  # one param at a time: DeepSpeed's sequential gather, one handle
+        with deepspeed.zero.GatheredParameters([p]):
+            reference.append(p.detach().clone())
+    wrong = 0
+    for _ in range(rounds):
+        with deepspeed.zero.GatheredParameters(params):  # the coalesced gather
+            wrong += not all(torch.equal(p.detach(), r) for p, r in zip(params, reference))
+    ds_z3native.uninstall()
+    return {"wrong": wrong, "patches": patches}
+
+
+def test_coalesced_gather_reads_every_param_after_its_gather() -> None:
+    # DeepSpeed 0.19.2 alone: 4 and 12 of 60 rounds read a param still in flight (ranks 0 and 1).
+    from packaging.version import Version
+
+    import deepspeed
+
+    results = run_ranks(_coalesced_gathers, 2, _GATHER_ROUNDS, timeout=300)
+    assert [r["wrong"] for r in results] == [0, 0]
+    patched = Version(deepspeed.__version__.split("+")[0]) <= Version("0.19.7")
+    for r in results:
+        assert ("zero3-coalesced-gather-waits-on-every-handle" in r["patches"]) == patched
+
+
+def test_uninstall_restores_the_coalesced_gather() -> None:
+    import deepspeed.comm as ds_comm
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    from ds_z3native.compat.gloo_collectives import patch_coalesced_gather_waits
+
+    before = (Init.__dict__["_allgather_params_coalesced"], ds_comm.all_gather_into_tensor,
+              ds_comm.all_gather)
+    undo = patch_coalesced_gather_waits()
+    try:
+        assert Init.__dict__["_allgather_params_coalesced"] is not before[0]
+        assert ds_comm.all_gather_into_tensor is not before[1]
+    finally:
+        undo()
+    assert (Init.__dict__["_allgather_params_coalesced"], ds_comm.all_gather_into_tensor,
+            ds_comm.all_gather) == before

@@ -83,6 +83,11 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         ("deepspeed.compile.backend", "launch_compile_passes", ("global_steps",)),
         ("deepspeed.compile.backend", "remaining_schedule", None),
         ("deepspeed.compile.backend", "init_schedule", ("schedule",))],
+    "zero3-coalesced-gather-waits-on-every-handle": [
+        ("deepspeed.runtime.zero.partition_parameters", "Init._allgather_params_coalesced",
+         ("self",)),
+        ("deepspeed.comm.comm", "all_gather_into_tensor", ()),
+        ("deepspeed.comm.comm", "all_gather", ())],
     "deepcompile-cpu-device": [
         ("deepspeed.accelerator.cpu_accelerator", "CPU_Accelerator.current_device", ("self",))],
     "checkpoint_recompute_frozen": _RECOMPUTE,

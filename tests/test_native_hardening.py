@@ -101,18 +101,24 @@ def test_h2_explicitly_frozen_param_refused() -> None:
         assert torch.equal(buf, torch.zeros(3))
 
 
-def test_h2_frozen_while_queued_is_refused_at_flush() -> None:
-    """The flag is checked where buckets are flushed, not only at reduce_grad."""
+def test_h2_freezing_a_param_with_a_queued_gradient_is_refused() -> None:
+    """Freezing while its gradient waits in a bucket would make the flush drop it: refused, the
+    gradient lands. (A flush that finds a frozen param anyway reduces the bucket's other
+    gradients and names the refused one: tests/native/test_reduce.cpp.)"""
     with live_runtime() as m:
-        m.register_z3_param(1, [3], torch.randn(3), torch.zeros(3), False)
+        buf = torch.zeros(3)
+        m.register_z3_param(1, [3], torch.randn(3), buf, False)
         m.register_graph_z3(0, [1])
         m.reset_comm_stats()
         m.start_backward(True)
         _dc().reduce_grad(torch.ones(3), 0, 1)
+        with pytest.raises(RuntimeError, match=r"set_param_frozen: ds_id 1 has a gradient queued"):
+            m.set_param_frozen(1, True)
+        assert not m.is_param_frozen(1)
+        _dc().end_backward([None], 0)
+        assert torch.equal(buf, torch.ones(3))
         m.set_param_frozen(1, True)
-        with pytest.raises(RuntimeError, match=r"ds_id 1 .*frozen"):
-            _dc().end_backward([None], 0)
-        assert _stats_unchanged_collectives(m) == NO_COLLECTIVE
+        _assert_gradient_refused(m, 1, torch.ones(3), r"reduce_grad.*ds_id 1 .*frozen")
 
 
 def test_h2_unfrozen_param_without_buffer_raises() -> None:

@@ -17,6 +17,8 @@ ActivationOffload::Slot& ActivationOffload::slot(int64_t id, const char* op)
 at::Tensor ActivationOffload::offload(const at::Tensor& t, int64_t id, const char* op)
 {
     DSZ_CHECK(t.defined(), op, "undefined tensor for activation id ", id);
+    DSZ_CHECK(hasData(t), op, "the tensor of activation id ", id, " (shape ", t.sizes(),
+              ") has no data (its storage was freed, e.g. by release_param)");
     Slot& s = slots_[id];
     if (!s.host.defined() || !s.host.sizes().equals(t.sizes()) || s.host.dtype() != t.dtype()) {
         const bool pin = pin_ && device_.supportsPinnedMemory();

@@ -26,6 +26,13 @@ at::Tensor Gatherer::metaOf(const ParamEntry& p, std::optional<at::ScalarType> d
                                   .device(c10::kMeta));
 }
 
+// The shard (or its reloaded copy) must be readable before anything is gathered from it.
+static void requireShardData(const ParamEntry& p, const char* op)
+{
+    DSZ_CHECK(hasData(p.reloaded.defined() ? p.reloaded : p.shard), op, "the shard of ds_id ",
+              p.ds_id, " has no data (its storage was freed after registration)");
+}
+
 at::Tensor Gatherer::shardForGather(ParamEntry& p, at::ScalarType dtype)
 {
     // Partitions never take part in autograd here (a shard registered with requires_grad=True
@@ -57,15 +64,33 @@ at::Tensor Gatherer::prepareBuffer(ParamEntry& p, at::ScalarType dtype)
                      at::TensorOptions().dtype(dtype).device(device_.computeDevice()));
 }
 
-void Gatherer::launch(ParamEntry& p, const at::Tensor& buffer)
+// The dtypes every collectives backend gathers (NCCL's list; gloo takes them all). Checked
+// before anything is marked gathered.
+static void requireGatherDtype(const ParamEntry& p, at::ScalarType dtype, const char* op,
+                               const Collectives& comm)
+{
+    const bool ok = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kDouble ||
+                    dtype == at::kBFloat16 || dtype == at::kLong || dtype == at::kInt ||
+                    dtype == at::kChar || dtype == at::kByte;
+    DSZ_CHECK(ok, op, "ds_id ", p.ds_id, " cannot be gathered in ", dtype, " by ", comm.name(),
+              " (dtypes supported by NCCL, and so by every backend: Float, Half, Double, "
+              "BFloat16, Long, Int, Char, Byte)");
+}
+
+void Gatherer::gatherInto(ParamEntry& p, const at::Tensor& buffer)
 {
     at::Tensor shard = shardForGather(p, buffer.scalar_type());
     comm_.allGather(shard, buffer, p.ds_id);
+    stats_.allgather_calls += 1;
+    stats_.allgather_bytes += buffer.numel() * static_cast<int64_t>(buffer.element_size());
+}
+
+void Gatherer::launch(ParamEntry& p, const at::Tensor& buffer)
+{
+    gatherInto(p, buffer);
     p.gathered = buffer;
     p.has_gathered = true;
     p.valid = true;
-    stats_.allgather_calls += 1;
-    stats_.allgather_bytes += buffer.numel() * static_cast<int64_t>(buffer.element_size());
 }
 
 at::Tensor Gatherer::gather(ParamEntry& p, std::optional<at::ScalarType> dtype, const char* op)
@@ -73,13 +98,34 @@ at::Tensor Gatherer::gather(ParamEntry& p, std::optional<at::ScalarType> dtype, 
     DSZ_CHECK(p.partitioned, op, "ds_id ", p.ds_id,
               " was registered with register_param (ZeRO-1/2) and is not partitioned");
     const at::ScalarType target = dtype.value_or(p.shard.scalar_type());
-    if (p.valid && p.gathered.defined()) {
+    requireGatherDtype(p, target, op, comm_);
+    const bool have_copy = p.valid && p.gathered.defined();
+    if (!have_copy) { requireShardData(p, op); }
+    if (have_copy) {
         // A persistent copy is kept in the dtype it was first gathered in. Converting reads it
         // on the compute stream, so a gather still in flight must finish first.
         at::Tensor full = fullView(p, p.gathered);
         if (full.scalar_type() == target) { return full; }
-        wait(p);
-        return full.to(target);
+        if (p.gathered.scalar_type() == p.shard.scalar_type()) {
+            wait(p);
+            return full.to(target);  // the shard's own values: converting them is exact
+        }
+        // A copy in a third dtype carries its rounding (bf16, or an int's truncation): gather
+        // this request afresh from the shard, without replacing the kept copy.
+        requireShardData(p, op);
+        compute_ready_->record(StreamRole::Compute);
+        compute_ready_->block(StreamRole::AllGather);
+        at::Tensor buffer;
+        {
+            auto scope = device_.use(StreamRole::AllGather);
+            buffer = at::empty({p.layout.padded},
+                               at::TensorOptions().dtype(target).device(device_.computeDevice()));
+            gatherInto(p, buffer);
+        }
+        device_.recordStream(buffer, StreamRole::Compute);
+        if (!p.gather_done) { p.gather_done = device_.newEvent(); }
+        p.gather_done->record(StreamRole::AllGather);
+        return fullView(p, buffer);
     }
     // The compute stream may still read an old copy that the gather overwrites.
     compute_ready_->record(StreamRole::Compute);
@@ -87,7 +133,12 @@ at::Tensor Gatherer::gather(ParamEntry& p, std::optional<at::ScalarType> dtype, 
     {
         auto scope = device_.use(StreamRole::AllGather);
         at::Tensor buffer = prepareBuffer(p, target);
-        launch(p, buffer);
+        try {
+            launch(p, buffer);
+        } catch (...) {
+            forget(p, /*keep_placeholder=*/false);  // never leave it marked gathered
+            throw;
+        }
     }
     if (!p.gather_done) { p.gather_done = device_.newEvent(); }
     p.gather_done->record(StreamRole::AllGather);
@@ -102,8 +153,11 @@ void Gatherer::prefetch(const std::vector<ParamEntry*>& params,
     for (size_t i = 0; i < params.size(); ++i) {
         ParamEntry& p = *params[i];
         DSZ_CHECK(p.partitioned, op, "ds_id ", p.ds_id, " is not a ZeRO-3 parameter");
+        const at::ScalarType dtype = dtypes[i].value_or(p.shard.scalar_type());
+        requireGatherDtype(p, dtype, op, comm_);
         if (p.valid && p.gathered.defined()) { continue; }
-        todo.emplace_back(&p, dtypes[i].value_or(p.shard.scalar_type()));
+        requireShardData(p, op);
+        todo.emplace_back(&p, dtype);
     }
     if (todo.empty()) { return; }
     compute_ready_->record(StreamRole::Compute);
@@ -113,9 +167,16 @@ void Gatherer::prefetch(const std::vector<ParamEntry*>& params,
         std::vector<at::Tensor> buffers;
         buffers.reserve(todo.size());
         for (auto& [p, dtype] : todo) { buffers.push_back(prepareBuffer(*p, dtype)); }
-        CommGroup group(comm_);
-        for (size_t i = 0; i < todo.size(); ++i) { launch(*todo[i].first, buffers[i]); }
-        group.end();
+        try {
+            CommGroup group(comm_);
+            for (size_t i = 0; i < todo.size(); ++i) { launch(*todo[i].first, buffers[i]); }
+            group.end();
+        } catch (...) {
+            // None of the group's params may stay marked gathered: their buffers may hold
+            // nothing.
+            for (auto& [p, dtype] : todo) { forget(*p, /*keep_placeholder=*/false); }
+            throw;
+        }
     }
     for (auto& [p, dtype] : todo) {
         if (!p->gather_done) { p->gather_done = device_.newEvent(); }

@@ -40,7 +40,8 @@ public:
 
 private:
     at::Tensor prepareBuffer(ParamEntry& p, at::ScalarType dtype);
-    void launch(ParamEntry& p, const at::Tensor& buffer);
+    void launch(ParamEntry& p, const at::Tensor& buffer);  // gatherInto, and keeps the copy
+    void gatherInto(ParamEntry& p, const at::Tensor& buffer);
     at::Tensor shardForGather(ParamEntry& p, at::ScalarType dtype);
 
     Collectives& comm_;

@@ -3,6 +3,8 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <exception>
+#include <string>
 #include <unordered_set>
 
 #include "core/check.h"
@@ -42,6 +44,24 @@ void GradReducer::requireReducible(const ParamEntry& p, const char* op)
                   ")); a param registered frozen (empty buffer) and unfrozen later must be "
                   "registered again with a grad buffer");
     }
+    DSZ_CHECK(!p.hasGradBuffer() || hasData(p.grad_buffer), op, "the grad buffer of ds_id ",
+              p.ds_id, " has no data (its storage was freed after registration)");
+}
+
+bool GradReducer::reducibleDtype(at::ScalarType dtype)
+{
+    return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+           dtype == at::kBFloat16;
+}
+
+int64_t GradReducer::queuedSlotNumel(int64_t ds_id) const
+{
+    for (const auto& [dtype, state] : per_dtype_) {
+        for (const Task& t : state.tasks) {
+            if (t.ds_id == ds_id) { return t.slot.numel(); }
+        }
+    }
+    return -1;
 }
 
 GradReducer::PerDtype& GradReducer::stateFor(at::ScalarType dtype, c10::Device device)
@@ -63,14 +83,24 @@ GradReducer::PerDtype& GradReducer::stateFor(at::ScalarType dtype, c10::Device d
     return per_dtype_.emplace(dtype, std::move(state)).first->second;
 }
 
+void GradReducer::requireGradient(const ParamEntry& p, const at::Tensor& grad, const char* op)
+{
+    DSZ_CHECK(grad.defined(), op, "undefined gradient for ds_id ", p.ds_id);
+    DSZ_CHECK(at::isFloatingType(grad.scalar_type()), op, "gradient of ds_id ", p.ds_id,
+              " must be floating point, got ", grad.scalar_type());
+    const at::ScalarType reduced = p.expected_grad_dtype.value_or(grad.scalar_type());
+    DSZ_CHECK(reducibleDtype(reduced), op, "gradient of ds_id ", p.ds_id, " would be reduced in ",
+              reduced, ", which the collectives do not take (Float, Double, Half, BFloat16)");
+    DSZ_CHECK(grad.numel() == p.numel, op, "gradient of ds_id ", p.ds_id, " has ", grad.numel(),
+              " elements, the param has ", p.numel);
+    DSZ_CHECK(hasData(grad), op, "gradient of ds_id ", p.ds_id, " (shape ", grad.sizes(),
+              ") has no data (its storage was freed, e.g. by release_param)");
+}
+
 void GradReducer::add(ParamEntry& p, const at::Tensor& grad_in, const char* op)
 {
     requireReducible(p, op);
-    DSZ_CHECK(grad_in.defined(), op, "undefined gradient for ds_id ", p.ds_id);
-    DSZ_CHECK(at::isFloatingType(grad_in.scalar_type()), op, "gradient of ds_id ", p.ds_id,
-              " must be floating point, got ", grad_in.scalar_type());
-    DSZ_CHECK(grad_in.numel() == p.numel, op, "gradient of ds_id ", p.ds_id, " has ",
-              grad_in.numel(), " elements, the param has ", p.numel);
+    requireGradient(p, grad_in, op);
     at::Tensor grad = grad_in.detach();
     if (p.expected_grad_dtype && grad.scalar_type() != *p.expected_grad_dtype) {
         grad = grad.to(*p.expected_grad_dtype);
@@ -118,17 +148,26 @@ void GradReducer::flush(at::ScalarType dtype, PerDtype& state)
 {
     if (state.tasks.empty()) { return; }
     // Check every task before the first collective: a refusal must not leave ranks mid-group.
+    // A refused gradient is left out and named; the others of the bucket are still reduced.
+    const char* op = "reduce_grad (bucket flush)";
     std::vector<ParamEntry*> params;
-    params.reserve(state.tasks.size());
-    for (const Task& t : state.tasks) {
+    std::vector<Task> kept;
+    std::string refused;
+    for (Task& t : state.tasks) {
         try {
-            ParamEntry& p = registry_.get(t.ds_id, "reduce_grad (bucket flush)");
-            requireReducible(p, "reduce_grad (bucket flush)");
+            ParamEntry& p = registry_.get(t.ds_id, op);
+            requireReducible(p, op);
             params.push_back(&p);
-        } catch (...) {
-            discard(state);
-            throw;
+            kept.push_back(std::move(t));
+        } catch (const c10::Error& e) {
+            refused += (refused.empty() ? "" : "; ") + std::string(e.what_without_backtrace());
         }
+    }
+    state.tasks = std::move(kept);
+    if (state.tasks.empty()) {
+        discard(state);
+        DSZ_CHECK(refused.empty(), op, "gradients refused, not reduced: ", refused);
+        return;
     }
 
     const int64_t ws = comm_.worldSize();
@@ -214,14 +253,27 @@ void GradReducer::flush(at::ScalarType dtype, PerDtype& state)
     }
     bucket.drained->record(StreamRole::ReduceScatter);
     stats_.bucket_flushes += 1;
+    const size_t reduced = state.tasks.size();
     state.tasks.clear();
     bucket.cursor().reset();
     state.current = (state.current + 1) % state.buckets.size();
+    DSZ_CHECK(refused.empty(), op, "gradients refused, not reduced: ", refused, " (the other ",
+              reduced, " gradients of the bucket were reduced)");
 }
 
 void GradReducer::flushAll()
 {
-    for (auto& [dtype, state] : per_dtype_) { flush(dtype, state); }
+    // Every dtype's bucket is flushed even when one refuses a gradient; the first refusal is
+    // reported after all.
+    std::exception_ptr first;
+    for (auto& [dtype, state] : per_dtype_) {
+        try {
+            flush(dtype, state);
+        } catch (...) {
+            if (!first) { first = std::current_exception(); }
+        }
+    }
+    if (first) { std::rethrow_exception(first); }
 }
 
 void GradReducer::releaseBuffers()

@@ -31,9 +31,16 @@ public:
 
     // Checks that `p` may receive a reduced gradient; throws naming `op` and the id otherwise.
     static void requireReducible(const ParamEntry& p, const char* op);
+    // Checks a gradient for `p` (defined, floating point, p's numel, readable); throws naming
+    // `op` and the id otherwise.
+    static void requireGradient(const ParamEntry& p, const at::Tensor& grad, const char* op);
 
     // Validates `grad` and queues it; flushes the bucket first when it is full.
     void add(ParamEntry& p, const at::Tensor& grad, const char* op);
+    // The dtypes a gradient is reduced in (every backend's reduce-scatter takes them).
+    static bool reducibleDtype(at::ScalarType dtype);
+    // The bucket elements the queued gradient of ds_id takes, or -1 when none is queued.
+    int64_t queuedSlotNumel(int64_t ds_id) const;
     void flushAll();
     // Frees bucket memory (nothing may be queued).
     void releaseBuffers();

@@ -15,7 +15,7 @@ at::Tensor allgather_param(const at::Tensor&, int64_t graph_id, int64_t id,
                            std::optional<at::ScalarType> dtype)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    return get("allgather_param").allgatherParam(graph_id, id, dtype);
+    return get("allgather_param")->allgatherParam(graph_id, id, dtype);
 }
 
 void prefetch_params_fused(int64_t graph_id, at::TensorList params, at::IntArrayRef ids,
@@ -24,70 +24,70 @@ void prefetch_params_fused(int64_t graph_id, at::TensorList params, at::IntArray
     DSZ_CHECK(params.size() == ids.size(), "prefetch_params_fused", "graph ", graph_id, ": ",
               params.size(), " params but ", ids.size(), " ids");
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    get("prefetch_params_fused").prefetchParamsFused(graph_id, ids.vec(), dtypes);
+    get("prefetch_params_fused")->prefetchParamsFused(graph_id, ids.vec(), dtypes);
 }
 
 at::Tensor wait_allgather(const at::Tensor& a, int64_t graph_id, int64_t id)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    get("wait_allgather").waitAllgather(graph_id, id);
+    get("wait_allgather")->waitAllgather(graph_id, id);
     return a;
 }
 
 at::Tensor release_param(const at::Tensor& a, int64_t graph_id, int64_t id, int64_t n_users)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    get("release_param").releaseParam(graph_id, id, n_users);
+    get("release_param")->releaseParam(graph_id, id, n_users);
     return a;
 }
 
 at::Tensor reduce_grad(const at::Tensor& a, int64_t graph_id, int64_t id)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    get("reduce_grad").reduceGrad(graph_id, id, a);
+    get("reduce_grad")->reduceGrad(graph_id, id, a);
     return at::empty({0}, a.options());
 }
 
 void free_tensors(at::TensorList a)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    get("free_tensors").freeTensors(a.vec());
+    get("free_tensors")->freeTensors(a.vec());
 }
 
 at::Tensor offload_tensor(const at::Tensor& a, int64_t graph_id, int64_t id)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    return get("offload_tensor").offloadTensor(a, graph_id, id);
+    return get("offload_tensor")->offloadTensor(a, graph_id, id);
 }
 
 at::Tensor reload_tensor(const at::Tensor&, int64_t graph_id, int64_t id)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    return get("reload_tensor").reloadTensor(graph_id, id);
+    return get("reload_tensor")->reloadTensor(graph_id, id);
 }
 
 at::Tensor wait_offload(const at::Tensor&, int64_t graph_id, int64_t id)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    return get("wait_offload").waitOffload(graph_id, id);
+    return get("wait_offload")->waitOffload(graph_id, id);
 }
 
 at::Tensor wait_reload(const at::Tensor& a, int64_t graph_id, int64_t id)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    return get("wait_reload").waitReload(a, graph_id, id);
+    return get("wait_reload")->waitReload(a, graph_id, id);
 }
 
 void offload_parameter(const at::Tensor&, int64_t graph_id, int64_t id)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    get("offload_parameter").offloadParameter(graph_id, id);
+    get("offload_parameter")->offloadParameter(graph_id, id);
 }
 
 void reload_parameter(const at::Tensor&, int64_t graph_id, int64_t id)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    get("reload_parameter").reloadParameter(graph_id, id);
+    get("reload_parameter")->reloadParameter(graph_id, id);
 }
 
 namespace {
@@ -123,11 +123,16 @@ void end_backward(const c10::IValue& deps, int64_t graph_id, bool release_reduce
 {
     if (tracing(deps)) { return; }
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    get("end_backward").endBackward(graph_id, release_reduce_buckets);
+    get("end_backward")->endBackward(graph_id, release_reduce_buckets);
 }
 
 // DeepSpeed's debug op: kept for the schema, prints nothing.
-at::Tensor test_call(const at::Tensor& a) { return a.clone(); }
+at::Tensor test_call(const at::Tensor& a)
+{
+    DSZ_CHECK(hasData(a), "test_call", "the tensor of shape ", a.sizes(),
+              " has no data (its storage was freed, e.g. by release_param)");
+    return a.clone();
+}
 
 // ------------------------------------------------------------------ Meta
 
@@ -135,7 +140,7 @@ at::Tensor allgather_param_meta(const at::Tensor&, int64_t, int64_t id,
                                 std::optional<at::ScalarType> dtype)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    return get("allgather_param (meta)").gatheredMeta(id, dtype);
+    return get("allgather_param (meta)")->gatheredMeta(id, dtype);
 }
 
 void prefetch_params_fused_meta(int64_t graph_id, at::TensorList params, at::IntArrayRef ids,
@@ -145,15 +150,57 @@ void prefetch_params_fused_meta(int64_t graph_id, at::TensorList params, at::Int
               ": ", params.size(), " params but ", ids.size(), " ids");
 }
 
-at::Tensor alias_meta(const at::Tensor& a, int64_t, int64_t) { return a; }
-at::Tensor release_param_meta(const at::Tensor& a, int64_t, int64_t, int64_t) { return a; }
-at::Tensor reduce_grad_meta(const at::Tensor& a, int64_t, int64_t)
+namespace {
+
+// The ds_id checks of the device kernels, for the Meta kernels: a trace (fake tensors) and a call
+// with real meta tensors see the same unknown-id errors as a run.
+void requireParamMeta(int64_t id, const char* op)
 {
+    GilReleasedIfHeld no_gil;  // see python_gil.h
+    get(op)->requireParam(id, op);
+}
+
+// A meta tensor outside a trace: a FakeTensorMode trace hands the Meta kernels fake tensors
+// (Python key set); plain meta tensors hold no values.
+bool plainMeta(const at::Tensor& t)
+{
+    return t.defined() && t.is_meta() && !t.key_set().has(c10::DispatchKey::Python);
+}
+
+}  // namespace
+
+at::Tensor wait_allgather_meta(const at::Tensor& a, int64_t, int64_t id)
+{
+    requireParamMeta(id, "wait_allgather (meta)");
+    return a;
+}
+
+at::Tensor release_param_meta(const at::Tensor& a, int64_t, int64_t id, int64_t n_users)
+{
+    requireParamMeta(id, "release_param (meta)");
+    DSZ_CHECK(n_users >= 1, "release_param (meta)", "n_users must be >= 1 for ds_id ", id,
+              ", got ", n_users);
+    return a;
+}
+
+at::Tensor reduce_grad_meta(const at::Tensor& a, int64_t, int64_t id)
+{
+    requireParamMeta(id, "reduce_grad (meta)");
+    // Outside a trace a meta gradient would be dropped without a word: it has no values.
+    DSZ_CHECK(!plainMeta(a), "reduce_grad (meta)", "gradient of ds_id ", id, " (shape ",
+              a.sizes(), ") is a meta tensor: it holds no values to reduce");
     return at::empty({0}, a.options());
 }
 void free_tensors_meta(at::TensorList) {}
 at::Tensor like_meta(const at::Tensor& a, int64_t, int64_t) { return at::empty_like(a); }
-void param_offload_meta(const at::Tensor&, int64_t, int64_t) {}
+void offload_parameter_meta(const at::Tensor&, int64_t, int64_t id)
+{
+    requireParamMeta(id, "offload_parameter (meta)");
+}
+void reload_parameter_meta(const at::Tensor&, int64_t, int64_t id)
+{
+    requireParamMeta(id, "reload_parameter (meta)");
+}
 void end_backward_meta(const c10::IValue&, int64_t, bool) {}
 at::Tensor test_call_meta(const at::Tensor& a) { return at::empty_like(a); }
 

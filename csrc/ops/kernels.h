@@ -33,12 +33,13 @@ at::Tensor allgather_param_meta(const at::Tensor& a, int64_t graph_id, int64_t i
                                 std::optional<at::ScalarType> dtype);
 void prefetch_params_fused_meta(int64_t graph_id, at::TensorList params, at::IntArrayRef ids,
                                 std::optional<std::vector<at::ScalarType>> dtypes);
-at::Tensor alias_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
+at::Tensor wait_allgather_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
 at::Tensor release_param_meta(const at::Tensor& a, int64_t graph_id, int64_t id, int64_t n_users);
 at::Tensor reduce_grad_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
 void free_tensors_meta(at::TensorList a);
 at::Tensor like_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
-void param_offload_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
+void offload_parameter_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
+void reload_parameter_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
 void end_backward_meta(const c10::IValue& deps, int64_t graph_id, bool release_reduce_buckets);
 at::Tensor test_call_meta(const at::Tensor& a);
 

@@ -309,6 +309,8 @@ TEST_F(UnknownIds, PrefetchWithMismatchedDtypesNamesTheGraph)
     EXPECT_EQ(rt->stats().allgather_calls, 0);
 }
 
+constexpr int64_t kGraphForLifetime = 4100;
+
 TEST(CurrentRuntime, UseBeforeInitOrAfterCleanupNamesTheOp)
 {
     current_runtime::destroy();
@@ -317,14 +319,31 @@ TEST(CurrentRuntime, UseBeforeInitOrAfterCleanupNamesTheOp)
                              {"allgather_param", "init"}));
     current_runtime::replace(singleRankRuntime());
     ASSERT_NE(current_runtime::tryGet(), nullptr);
-    EXPECT_EQ(&current_runtime::get("reduce_grad"), current_runtime::tryGet());
+    EXPECT_EQ(current_runtime::get("reduce_grad"), current_runtime::tryGet());
     // init() twice replaces the runtime.
     current_runtime::replace(singleRankRuntime());
-    EXPECT_EQ(current_runtime::get("x").worldSize(), 1);
+    EXPECT_EQ(current_runtime::get("x")->worldSize(), 1);
     // cleanup() twice is harmless.
     current_runtime::destroy();
     current_runtime::destroy();
     EXPECT_TRUE(throwsNaming([] { current_runtime::get("end_backward"); }, {"end_backward"}));
+}
+
+TEST(CurrentRuntime, ACallKeepsItsRuntimeThroughCleanupAndInit)
+{
+    current_runtime::replace(singleRankRuntime());
+    std::shared_ptr<Runtime> held = current_runtime::get("allgather_param");  // a running call
+    registerZ3(*held, 31, {6});
+    held->registerGraph(kGraphForLifetime, {31}, ZeroStage::Z3);
+    current_runtime::destroy();                         // cleanup() from another thread
+    current_runtime::replace(singleRankRuntime());      // and init()
+    EXPECT_NE(current_runtime::get("x"), held);
+    // The call's runtime is still whole: its params and graphs are there.
+    at::Tensor full = held->allgatherParam(kGraphForLifetime, 31, std::nullopt);
+    EXPECT_TRUE(full.equal(fullParam(31, {6})));
+    EXPECT_TRUE(throwsNaming([] { current_runtime::get("x")->paramState(31); }, {"ds_id 31"}));
+    current_runtime::destroy();
+    EXPECT_EQ(held.use_count(), 1);  // the last call to return ends it
 }
 
 }  // namespace

@@ -286,7 +286,7 @@ TEST(FrozenRefusal, GradientForFrozenOrBufferlessParamThrowsWithoutACollective)
 
 // The flag is checked again where the bucket is flushed: a param frozen after its gradient was
 // queued is refused there, before any collective of that flush.
-TEST(FrozenRefusal, FrozenAfterQueueingIsRefusedAtTheFlush)
+TEST(FrozenRefusal, FreezingAParamWithAQueuedGradientIsRefused)
 {
     const int64_t ws = 3;
     auto world = std::make_shared<LoopbackWorld>(ws);
@@ -298,25 +298,57 @@ TEST(FrozenRefusal, FrozenAfterQueueingIsRefusedAtTheFlush)
         rt.startBackward(true);
         rt.reduceGrad(kGraph, 6021, rankGrad(6021, {5}, rank, 0));
         rt.reduceGrad(kGraph, 6022, rankGrad(6022, {4}, rank, 0));
-        rt.setParamFrozen(6022, true);
         barrier.wait();
         const int64_t before = world->issued();
-        EXPECT_TRUE(throwsNaming([&] { rt.endBackward(kGraph, true); }, {"reduce_grad", "6022"}));
+        // The flush would have to drop it: refused where the state would change.
+        EXPECT_TRUE(throwsNaming([&] { rt.setParamFrozen(6022, true); },
+                                 {"set_param_frozen", "ds_id 6022", "queued"}));
+        EXPECT_TRUE(throwsNaming([&] { rt.updateParamGradBuffer(6022, emptyF(0), 0); },
+                                 {"update_param_grad_buffer", "ds_id 6022", "queued"}));
+        EXPECT_FALSE(rt.isParamFrozen(6022));
         barrier.wait();
         EXPECT_EQ(world->issued(), before);
-        EXPECT_EQ(rt.pendingGradients(), 0u);
+        EXPECT_EQ(rt.pendingGradients(), 2u);
         barrier.wait();
-
-        // The runtime recovers: the next pass reduces normally.
-        rt.setParamFrozen(6022, false);
-        rt.startBackward(true);
-        rt.reduceGrad(kGraph, 6021, rankGrad(6021, {5}, rank, 1));
-        rt.reduceGrad(kGraph, 6022, rankGrad(6022, {4}, rank, 1));
         rt.endBackward(kGraph, true);
-        expectShard(a_buf, expectedShard(6021, {5}, ws, rank, {1}), 6021);
-        expectShard(b_buf, expectedShard(6022, {4}, ws, rank, {1}), 6022);
+        expectShard(a_buf, expectedShard(6021, {5}, ws, rank, {0}), 6021);
+        expectShard(b_buf, expectedShard(6022, {4}, ws, rank, {0}), 6022);
     });
-    EXPECT_EQ(world->issued(), 2 * ws);
+}
+
+TEST(FrozenRefusal, AFlushThatFindsAFrozenParamReducesTheOthersAndNamesIt)
+{
+    // Below the runtime (which refuses freezing a param with a queued gradient): the flush's
+    // own check, on one rank.
+    auto world = std::make_shared<LoopbackWorld>(1);
+    std::unique_ptr<Collectives> comm = makeLoopbackCollectives(world, 0);
+    std::unique_ptr<DeviceBackend> device = makeHostDevice();
+    CommStats stats;
+    ParamRegistry registry;
+    for (int64_t id : {7001, 7002, 7003}) {
+        ParamEntry e;
+        e.ds_id = id;
+        e.shape = {4};
+        e.numel = 4;
+        e.layout = ShardLayout::of(4, 1);
+        e.shard = zerosF(4);
+        e.grad_buffer = zerosF(4);
+        registry.put(std::move(e));
+    }
+    GradReducer reducer(registry, *comm, *device, stats, 1 << 10, false);
+    const std::vector<at::Tensor> grads = {rankGrad(7001, {4}, 0, 0), rankGrad(7002, {4}, 0, 0),
+                                           rankGrad(7003, {4}, 0, 0)};
+    for (int i = 0; i < 3; ++i) {
+        reducer.add(registry.get(7001 + i, "test"), grads[i], "reduce_grad");
+    }
+    registry.get(7002, "test").frozen = true;
+    EXPECT_TRUE(throwsNaming([&] { reducer.flushAll(); },
+                             {"bucket flush", "ds_id 7002", "frozen", "other 2 gradients"}));
+    EXPECT_EQ(reducer.pending(), 0u);
+    EXPECT_TRUE(registry.get(7001, "test").grad_buffer.equal(grads[0]));
+    EXPECT_TRUE(registry.get(7003, "test").grad_buffer.equal(grads[2]));
+    EXPECT_TRUE(registry.get(7002, "test").grad_buffer.equal(zerosF(4)));
+    EXPECT_EQ(stats.reduce_scatter_calls, 2);
 }
 
 // H7: an optimizer step invalidates trainable gathered params; a frozen persistent one never

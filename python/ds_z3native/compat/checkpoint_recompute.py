@@ -48,8 +48,10 @@ recompute. That is not a lower peak, so on DeepSpeed >= 0.19.3 DeepSpeed's own a
 * when ``engine.backward`` raises (an exception inside a recompute, say), all of the above and
   every other gathered non-persistent param of the model (DeepSpeed's forward keeps some for a
   reuse in backward that never came), so that a retry starts clean;
-* the next forward's start (outside backward) does the same for a backward that ``engine.backward``
-  did not see end (``loss.backward()``).
+* DeepSpeed's backward epilogue does the first of these however backward was entered:
+  ``engine.backward(loss)``, ``loss.backward()`` and ``engine.scale(loss).backward()`` (the latter
+  two run it from the graph task's final callback); the next forward's start (outside backward)
+  does it again for a backward whose epilogue never ran.
 
 Reentrant checkpointing needs no hold (its recompute builds an ordinary graph whose backward runs
 the modules' hooks) and gets none.
@@ -400,12 +402,13 @@ def _patch(ds: _DeepSpeed, holds: bool, graph_task_id: Callable[[], int]) -> Und
     @functools.wraps(backward_epilogue)
     def backward_epilogue_releasing_leftovers(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = backward_epilogue(self, *args, **kwargs)
-        # engine.backward runs the epilogue after autograd returns. loss.backward() runs it from
-        # a graph-task callback, possibly of a nested (reentrant) backward: the next forward's
-        # start releases instead.
-        if graph_task_id() == -1:
-            _release_leftovers(ds, self.parameter_offload.get_param_coordinator(),
-                               "end of backward")
+        # engine.backward runs the epilogue after autograd returns; loss.backward() and
+        # engine.scale(loss).backward() run it from the graph task's final callback, once
+        # DeepSpeed has seen every gradient of the backward (with reentrant checkpointing, of
+        # the nested backwards too): in every case no module's backward is left to use what the
+        # holds kept, so it is released here (as DeepSpeed 0.19.8's epilogue releases its own
+        # leftovers), not only at the next forward's start.
+        _release_leftovers(ds, self.parameter_offload.get_param_coordinator(), "end of backward")
         return result
 
     @functools.wraps(engine_backward)

@@ -83,6 +83,9 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         ("deepspeed.compile.backend", "launch_compile_passes", ("global_steps",)),
         ("deepspeed.compile.backend", "remaining_schedule", None),
         ("deepspeed.compile.backend", "init_schedule", ("schedule",))],
+    "deepcompile-aot-partial-constructions": [
+        ("deepspeed.compile.inductor", "patch_create_aot_dispatcher_function",
+         ("graph_id", "z3_partition", "make_fw_graph", "make_bw_graph"))],
     "zero3-coalesced-gather-waits-on-every-handle": [
         ("deepspeed.runtime.zero.partition_parameters", "Init._allgather_params_coalesced",
          ("self",)),

@@ -259,7 +259,7 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
          "deepcompile-z3-eager-gather", "deepcompile-prefetch-budget",
          "deepcompile-canonical-graph-ids", "deepcompile-profile-store",
          "deepcompile-kwargs-dependencies", "deepcompile-resume-schedule",
-         "deepcompile-cpu-device", "gloo-collectives-outside-python-dispatch",
+         "deepcompile-aot-partial-constructions", "deepcompile-cpu-device", "gloo-collectives-outside-python-dispatch",
          "zero3-coalesced-gather-waits-on-every-handle"]
     _write_module(tmp_path, "dsz_test_patches_broken", "raise ImportError('half-written module')\n")
     monkeypatch.syspath_prepend(str(tmp_path))

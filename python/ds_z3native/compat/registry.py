@@ -8,6 +8,8 @@
 * ``deepcompile_prefetch``: DeepCompile's prefetch pass honours ``set_prefetch_budget``.
 * ``deepcompile_graph_ids``: DeepCompile's graphs reach inductor with run-independent graph ids
   (warm FX-graph cache hits across runs).
+* ``deepcompile_aot``: DeepSpeed 0.19.0's AotAutograd constructor patch tolerates AotAutograd
+  objects built without its compilers.
 * ``deepcompile_schedule``: DeepCompile's scheduler sees keyword inputs (evaluation graphs),
   and its compile passes start at a resumed step.
 * ``cpu_accelerator``: DeepCompile on DeepSpeed's CPU accelerator gets a device it can parse.
@@ -49,15 +51,14 @@ def _optional_patches(module_name: str) -> List[Patch]:
 
 def all_patches() -> List[Patch]:
     """Every known patch, whatever DeepSpeed version it targets."""
-    from . import (cpu_accelerator, deepcompile_eager, deepcompile_frozen, deepcompile_graph_ids,
-                   deepcompile_prefetch, deepcompile_profile_store, deepcompile_schedule,
-                   gloo_collectives,
-                   hf_graph_breaks)
+    from . import (cpu_accelerator, deepcompile_aot, deepcompile_eager, deepcompile_frozen,
+                   deepcompile_graph_ids, deepcompile_prefetch, deepcompile_profile_store,
+                   deepcompile_schedule, gloo_collectives, hf_graph_breaks)
 
     patches = (list(deepcompile_frozen.PATCHES) + list(hf_graph_breaks.PATCHES)
                + list(deepcompile_eager.PATCHES) + list(deepcompile_prefetch.PATCHES)
                + list(deepcompile_graph_ids.PATCHES) + list(deepcompile_profile_store.PATCHES)
-               + list(deepcompile_schedule.PATCHES)
+               + list(deepcompile_schedule.PATCHES) + list(deepcompile_aot.PATCHES)
                + list(cpu_accelerator.PATCHES) + list(gloo_collectives.PATCHES))
     for name in OPTIONAL_MODULES:
         patches += _optional_patches(name)

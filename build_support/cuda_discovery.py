@@ -197,9 +197,16 @@ def find_toolkit(environ: Mapping[str, str], torch_cuda: str, root: str = "/"
                  ) -> Tuple[Optional[CudaRuntime], List[str]]:
     """The first verified toolkit of :func:`toolkit_candidates` with torch's CUDA major
     version, and why each candidate before it was passed over."""
+    return _first_runtime(toolkit_candidates(environ, root), "toolkit", torch_cuda)
+
+
+def _first_runtime(candidates: Iterable[str], kind: str, torch_cuda: str
+                   ) -> Tuple[Optional[CudaRuntime], List[str]]:
+    """The first of ``candidates`` holding a CUDA runtime of torch's major version, and why each
+    one before it was passed over."""
     checked: List[str] = []
-    for candidate in toolkit_candidates(environ, root):
-        found, why = runtime_at(candidate, "toolkit")
+    for candidate in candidates:
+        found, why = runtime_at(candidate, kind)
         if found is None:
             checked.append(why)
             continue
@@ -222,18 +229,8 @@ def find_wheel_runtime(site_dirs: Sequence[str], torch_cuda: str
                        ) -> Tuple[Optional[CudaRuntime], List[str]]:
     """The CUDA runtime of the nvidia-* wheels in ``site_dirs`` with torch's CUDA major version,
     and why the others were passed over (directories that do not exist are not reported)."""
-    checked: List[str] = []
-    for candidate in _wheel_roots(site_dirs, torch_cuda):
-        if not os.path.isdir(candidate):
-            continue
-        found, why = runtime_at(candidate, "wheels")
-        if found is None:
-            checked.append(why)
-            continue
-        found = _matching(found, torch_cuda, checked)
-        if found is not None:
-            return found, checked
-    return None, checked
+    present = [d for d in _wheel_roots(site_dirs, torch_cuda) if os.path.isdir(d)]
+    return _first_runtime(present, "wheels", torch_cuda)
 
 
 def find_nccl(environ: Mapping[str, str], site_dirs: Sequence[str],

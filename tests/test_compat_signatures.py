@@ -135,7 +135,7 @@ def test_what_each_patch_uses_has_the_parameters_it_relies_on(patch: Any) -> Non
     wrong = []
     for module, path, leading in USES[patch.name]:
         try:
-            obj = _resolve(module, path)
+            _resolve(module, path)
         except (ImportError, AttributeError) as e:
             wrong.append(f"{module}.{path}: missing ({e})")
             continue

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import ds_z3native
-from helpers.native_rt import compile_config, live_runtime, local_group
+from helpers.native_rt import compile_config, local_group
 
 pytestmark = pytest.mark.deepspeed
 

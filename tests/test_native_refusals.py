@@ -164,7 +164,7 @@ def test_bool_flags_take_only_bools(value) -> None:
                          "register_z3_param": lambda: m.register_z3_param(
                              4, [4], torch.ones(4), torch.zeros(4), value)}.items():
             msg = _raises(rf"{name}\(\): incompatible function arguments", fn, TypeError)
-            assert f"Invoked with: " in msg and repr(value) in msg
+            assert "Invoked with: " in msg and repr(value) in msg
         assert not m.is_profiling() and not m.is_param_frozen(1)
         _raises(r"unknown ds_id 4", lambda: m.param_state(4))
 

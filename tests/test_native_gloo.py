@@ -250,7 +250,10 @@ def _python_refs_held_while_a_gather_waits(rank: int, world_size: int) -> Dict[s
         while time.monotonic() < deadline:
             samples.append(sys.getrefcount(pack))
             time.sleep(0.02)
-        out["during"] = max(samples)
+        # The median: a reference the work holds shows in every sample of the wait; our op's
+        # own swap of the hook state (copy, then clear) is a moment's +1 that a sample can
+        # catch on a loaded machine (seen once in CI: 5 vs 4 at the maximum).
+        out["during"] = sorted(samples)[len(samples) // 2]
         store.set("sampled", "1")
         worker.join(timeout=30)
         out["worker_done"] = not worker.is_alive()

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 from ds_z3native._net import free_port
 
-__all__ = ["RUNNER", "start", "collect", "run_alone", "run_together", "needs_cpu_deepcompile"]
+__all__ = ["RUNNER", "LAUNCHER_KEYS", "child_env", "start", "collect", "run_alone", "run_together", "needs_cpu_deepcompile"]
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "bench" / "deepcompile_run.py"
@@ -24,16 +24,27 @@ TIMEOUT_S = 900
 WATCHDOG_S = 600
 
 
+# Set by a launcher (or DS_Z3NATIVE by the caller's shell) for this process; a child run gets its
+# own.
+LAUNCHER_KEYS = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                 "LOCAL_WORLD_SIZE", "DS_Z3NATIVE")
+
+
+def child_env() -> Dict[str, str]:
+    """This process's environment for a training run started from it: without the launcher's
+    variables and DS_Z3NATIVE, output unbuffered."""
+    run_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}
+    run_env["PYTHONUNBUFFERED"] = "1"
+    return run_env
+
+
 def start(args: Iterable[str], tmp: Path, name: str, steps: int, fresh_caches: bool = False,
           env: Optional[Mapping[str, str]] = None, nproc: int = 1) -> Tuple[subprocess.Popen, Path]:
     """Launch one run writing ``tmp/<name>.json`` (log: ``tmp/<name>.log``). ``nproc`` > 1:
     that many ranks under ``torch.distributed.run`` (one GPU each); rank r > 0 writes
     ``tmp/<name>.json.rank<r>``."""
     out = tmp / f"{name}.json"
-    launcher_keys = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                     "LOCAL_WORLD_SIZE", "DS_Z3NATIVE")
-    run_env = {k: v for k, v in os.environ.items() if k not in launcher_keys}
-    run_env["PYTHONUNBUFFERED"] = "1"
+    run_env = child_env()
     run_env.update(env or {})
     launcher = [sys.executable]
     if nproc > 1:

@@ -4,7 +4,6 @@ launch``, ``DS_Z3NATIVE`` in the environment) and read what it reports."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ds_z3native._net import free_port
+
+from helpers.dc_runner import child_env
 
 __all__ = ["ROOT", "EXAMPLE", "DS_Z3", "DS_Z3_DEEPCOMPILE", "ACCELERATE_CONFIG", "run_example",
            "zero0_config", "adapter_tensors", "losses_by_step", "assert_same_training", "load_example",
@@ -33,13 +34,10 @@ def run_example(out: Path, name: str, args: Sequence[str], ds_z3native: Optional
     with ``log`` (the log's last 4000 characters) and ``rc``. ``expect_ok``: a failed run fails
     the test with its log. ``device="cpu"``: DeepSpeed's CPU accelerator, gloo (CUDA hidden);
     ``"cuda"``: one GPU per rank."""
-    run_env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                            "DS_Z3NATIVE")}
+    run_env = child_env()
     if device == "cpu":
         run_env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
-    run_env.update(PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(out / "inductor-cache"),
-                   **(env or {}))
+    run_env.update(TORCHINDUCTOR_CACHE_DIR=str(out / "inductor-cache"), **(env or {}))
     if ds_z3native is not None:
         run_env["DS_Z3NATIVE"] = ds_z3native
     port = str(free_port())

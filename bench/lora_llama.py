@@ -26,7 +26,13 @@ whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
   non-persistent, norm weights included);
 * ``dc-ckpt-lean``: ``dc-ckpt-lowmem`` with ``ds_z3native.set_prefetch_budget(0)`` as well: each
   param is gathered just before its first use (DeepSpeed prefetches up to 4e9 bytes ahead);
-* ``dc-upstream``: DeepCompile ZeRO-3 with DeepSpeed's own op (JIT-built), no checkpointing.
+* ``dc-upstream``: DeepCompile ZeRO-3 with DeepSpeed's own op (JIT-built), no checkpointing;
+* ``trainer-dc-ckpt``: ``dc-ckpt`` driven by HF ``transformers.Trainer`` as a Trainer user runs it
+  (``TrainingArguments(deepspeed=<the same config>, torch_compile=True, gradient_checkpointing=True,
+  gradient_checkpointing_kwargs={"use_reentrant": False})``; accelerate calls ``engine.compile()``),
+  random token batches from a dataset through Trainer's data loader, a loss logged every step. Its
+  step time is the time between the ends of consecutive optimizer steps (what the loop costs:
+  data loading, the step, clipping's norm query, logging), against ``dc-ckpt`` of the same run.
 
 DeepCompile variants run ``--dc-steps`` steps (default 20) and report the time from
 ``engine.compile()`` to the end of the first step, the step where DeepCompile re-plans (its 6th:
@@ -82,14 +88,18 @@ except ImportError:
 log = logging.getLogger("bench.lora_llama")
 
 VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-warm", "dc-ckpt",
-            "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream")
+            "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream", "trainer-dc-ckpt")
 CHECKPOINTING = {"plain": "none", "none": "none", "upstream": "non-reentrant",
                  "ours": "non-reentrant", "reentrant": "reentrant", "dc": "none", "dc-warm": "none",
                  "dc-ckpt": "non-reentrant", "dc-ckpt-lowmem": "non-reentrant",
                  "dc-ckpt-lean": "non-reentrant",
-                 "dc-upstream": "none"}
-DEEPCOMPILE = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream")
-OURS_DC = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean")
+                 "dc-upstream": "none", "trainer-dc-ckpt": "non-reentrant"}
+DEEPCOMPILE = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream",
+               "trainer-dc-ckpt")
+OURS_DC = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "trainer-dc-ckpt")
+# Variants HF Trainer drives (it enables checkpointing itself, from its arguments), each with the
+# variant of our own loop it repeats: merge gives it the ratio of its step time to that one's.
+TRAINER = {"trainer-dc-ckpt": "dc-ckpt"}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
 SIZES: Dict[str, Dict[str, int]] = {
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -128,7 +138,10 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                         "one label to all its runs); a merged file's ratios compare runs with "
                         "the same label only")
     p.add_argument("--output", type=Path, required=True, help="JSON file to write")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.trace is not None and args.variant in TRAINER:
+        p.error(f"--trace profiles steps of our own loop; {args.variant} runs HF Trainer's")
+    return args
 
 
 def compile_seconds() -> Dict[str, float]:
@@ -201,7 +214,7 @@ def _build_model(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
     model = get_peft_model(model, lora)
     model.train()
     mode = CHECKPOINTING[args.variant]
-    if mode != "none":
+    if mode != "none" and args.variant not in TRAINER:
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
         if mode == "reentrant":
@@ -268,6 +281,175 @@ class _GatheredBytes:
 
 def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
+
+class _StepClock:
+    """Times a run's steps the same way whichever loop drives them: ``begin()`` before the
+    first step, ``ready(i)`` before step ``i`` (at the first timed step: the device drained, its
+    peak-memory counter reset, the GPU sampler started; none of that inside a timed step), then
+    ``ended(i, seconds, loss)``. Keeps every step's time, the timed ones in ms, the losses and,
+    for DeepCompile, torch's compile counters around the first step and the re-plan."""
+
+    def __init__(self, variant: str, total: int, first_timed: int, deepcompile: bool,
+                 on_gpu: bool, conditions: GpuConditions) -> None:
+        self.variant, self.total, self.first_timed = variant, total, first_timed
+        self.deepcompile, self.on_gpu, self.conditions = deepcompile, on_gpu, conditions
+        self.all_steps: List[float] = []
+        self.times: List[float] = []
+        self.losses: List[float] = []
+        self.compile_marks: Dict[str, Dict[str, float]] = {}
+        self.compiled_before: Dict[str, float] = {}
+        self.marks: Dict[str, float] = {}  # compile_to_first_step_s, wall_to_last_step_s
+        self._t0 = 0.0
+
+    def begin(self) -> None:
+        self._t0 = time.perf_counter()
+        self.compiled_before = compile_seconds() if self.deepcompile else {}
+
+    def ready(self, i: int) -> None:
+        if i != self.first_timed:
+            return
+        if self.on_gpu:
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.conditions.start()
+
+    def ended(self, i: int, elapsed: float, loss: Optional[float]) -> None:
+        self.all_steps.append(elapsed)
+        if loss is not None:
+            self.losses.append(loss)
+        if i == 0:
+            self.marks["compile_to_first_step_s"] = time.perf_counter() - self._t0
+        if self.deepcompile and i in (0, 4, 5):  # the first step, the re-plan's (6th) either side
+            self.compile_marks[str(i)] = compile_seconds()
+        if i >= self.first_timed:
+            self.times.append(elapsed * 1e3)
+        if i == self.total - 1:
+            self.marks["wall_to_last_step_s"] = time.perf_counter() - self._t0
+        log.info("%s step %d/%d: %.1f ms%s%s", self.variant, i + 1, self.total, elapsed * 1e3,
+                 "" if loss is None else f", loss {loss:.4f}",
+                 "" if i >= self.first_timed else " (warm-up)")
+
+
+def _own_loop(args: argparse.Namespace, model: Any, config: Dict[str, Any], device: Any,
+              clock: _StepClock, rank: int) -> "tuple[Any, Callable[[], float]]":
+    """Our loop: ``engine(...)``, ``engine.backward``, ``engine.step`` (or plain PyTorch with
+    AdamW for ``plain``) on random token batches; returns the engine (None for ``plain``) and
+    the step function."""
+    import torch
+
+    if args.variant == "plain":
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+        def forward_backward(ids: Any) -> Any:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        engine = None
+    else:
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=config)
+
+        def forward_backward(ids: Any) -> Any:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    vocab = SIZES[args.size]["vocab_size"]
+
+    def step() -> float:
+        ids = torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g).to(device)
+        return forward_backward(ids).item()  # .item() also waits for the device
+
+    clock.begin()
+    if clock.deepcompile:
+        engine.compile()
+    for i in range(clock.total):
+        clock.ready(i)
+        start = time.perf_counter()
+        loss = step()
+        clock.ended(i, time.perf_counter() - start, loss)
+    return engine, step
+
+
+def _trainer_steps(args: argparse.Namespace, model: Any, config: Dict[str, Any], dtype: Any,
+                   clock: _StepClock, world_size: int) -> Any:
+    """HF Trainer runs the steps (see ``trainer-dc-ckpt`` in the module docstring); a callback
+    feeds the clock: a step's time runs from the end of the previous optimizer step (from the
+    start of training for the first) to the end of this one, the device drained at each end.
+    Returns the DeepSpeed engine Trainer built."""
+    import copy
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    vocab, seq = SIZES[args.size]["vocab_size"], args.seq
+
+    class RandomTokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        """Row i: random token ids drawn from seed i (labels: the inputs, shifted by the model)."""
+
+        def __len__(self) -> int:
+            return clock.total * args.micro_batch * world_size
+
+        def __getitem__(self, i: int) -> Dict[str, Any]:
+            ids = torch.randint(0, vocab, (seq,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    def drain() -> None:
+        if clock.on_gpu:
+            torch.cuda.synchronize()
+
+    class Clocked(TrainerCallback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.last = 0.0
+            self.loss: Optional[float] = None
+
+        def on_train_begin(self, *a: Any, **k: Any) -> None:
+            drain()
+            clock.begin()
+            clock.ready(0)
+            self.last = time.perf_counter()
+
+        def on_step_end(self, targs: Any, state: Any, *a: Any, **k: Any) -> None:
+            drain()
+            i = state.global_step - 1
+            clock.ended(i, time.perf_counter() - self.last, None)
+            clock.ready(i + 1)
+            self.last = time.perf_counter()
+
+        def on_log(self, targs: Any, state: Any, control: Any, logs: Optional[Dict] = None,
+                   **k: Any) -> None:
+            if logs and "loss" in logs:
+                clock.losses.append(float(logs["loss"]))
+
+    if not clock.on_gpu:  # DeepSpeed's CPU ranks: accelerate is to use a gloo state
+        from accelerate import PartialState
+
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(backend="gloo")
+    with tempfile.TemporaryDirectory(prefix="lora_llama_trainer_") as out:
+        targs = TrainingArguments(
+            output_dir=out, max_steps=clock.total, per_device_train_batch_size=args.micro_batch,
+            learning_rate=1e-4, lr_scheduler_type="constant", warmup_steps=0,
+            max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
+            bf16=dtype is torch.bfloat16, deepspeed=copy.deepcopy(config), torch_compile=True,
+            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+            dataloader_num_workers=0, disable_tqdm=True, seed=0,
+            **({} if clock.on_gpu else {"accelerator_config": {"use_configured_state": True}}))
+        trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(),
+                          callbacks=[Clocked()])
+        trainer.train()
+        return trainer.model_wrapped
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
@@ -352,36 +534,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "prefetch_budget_mb": 0 if variant == "dc-ckpt-lean" else None,
         "zero": None if variant == "plain" else 3,
         "deepspeed_config": None if variant == "plain" else config,
+        "loop": "transformers.Trainer" if variant in TRAINER else "own",
     }
-    if variant == "plain":
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-
-        def forward_backward(ids: Any) -> Any:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss
-
-        engine = None
-    else:
-        engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=config)
-
-        def forward_backward(ids: Any) -> Any:
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            return loss
-
-    g = torch.Generator().manual_seed(1000 + rank)
-    vocab = SIZES[args.size]["vocab_size"]
-
-    def step() -> float:
-        ids = torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g).to(device)
-        return forward_backward(ids).item()  # .item() also waits for the device
-
     if deepcompile and args.dc_steps < 7:
         raise SystemExit("--dc-steps must be >= 7: DeepCompile re-plans at its 6th step and the "
                          "steps after it are the timed ones")
@@ -390,40 +544,24 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     # GPU clocks, throttling and neighbours over the timed steps; its queries before the clock.
     conditions = GpuConditions(device.index if on_gpu else None)
     conditions.prepare()
-    t_start = time.perf_counter()
-    compiled_before = compile_seconds() if deepcompile else {}
-    if deepcompile:
-        engine.compile()
-    times, losses, all_steps = [], [], []
-    compile_marks: Dict[str, Dict[str, float]] = {}
+    clock = _StepClock(variant, total, first_timed, deepcompile, on_gpu, conditions)
+    step: Optional[Callable[[], float]] = None  # one more step, for --trace and instrumenting
     try:
-        for i in range(total):
-            if i == first_timed:
-                if on_gpu:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                conditions.start()
-            start = time.perf_counter()
-            losses.append(step())
-            elapsed = time.perf_counter() - start
-            all_steps.append(elapsed)
-            if i == 0:
-                record["compile_to_first_step_s"] = time.perf_counter() - t_start
-            if deepcompile and i in (0, 4, 5):  # the first step, the re-plan's (6th) either side
-                compile_marks[str(i)] = compile_seconds()
-            if i >= first_timed:
-                times.append(elapsed * 1e3)
-            log.info("%s step %d/%d: %.1f ms, loss %.4f%s", variant, i + 1, total,
-                     elapsed * 1e3, losses[-1], "" if i >= first_timed else " (warm-up)")
-        record["wall_to_last_step_s"] = time.perf_counter() - t_start
+        if variant in TRAINER:
+            engine = _trainer_steps(args, model, config, dtype, clock, world_size)
+        else:
+            engine, step = _own_loop(args, model, config, device, clock, rank)
     finally:  # a failed step too: no sampler left running
         record["gpu_conditions"] = conditions.stop()
+    record.update(clock.marks)
+    all_steps, losses, times, compile_marks = (clock.all_steps, clock.losses, clock.times,
+                                               clock.compile_marks)
     record["step_s_all"] = all_steps
     if deepcompile:
         record["replan_step_s"] = all_steps[5] if len(all_steps) > 5 else None
         # Where the compile time went (torch's counters): to the end of step 1, and in the re-plan.
         record["compile_seconds"] = {
-            "first_step": _compile_window(compiled_before, compile_marks["0"]),
+            "first_step": _compile_window(clock.compiled_before, compile_marks["0"]),
             "replan": _compile_window(compile_marks["4"], compile_marks["5"])}
         import torch._dynamo.utils
 
@@ -468,9 +606,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         record["peak_gib"] = _peak_rss_gib()
         record["peak_kind"] = "process peak RSS (ru_maxrss), whole run"
     record["losses"] = losses
-    if args.trace is not None:
+    if args.trace is not None and step is not None:
         record["trace"] = trace_steps(step, args.trace, f"{variant}-rank{rank}", on_gpu)
-    if engine is not None and not deepcompile and not args.no_track_gathered:
+    if step is not None and engine is not None and not deepcompile and not args.no_track_gathered:
         tracker = _GatheredBytes(list(model.parameters()))
         try:
             record["losses_instrumented_step"] = step()
@@ -533,7 +671,10 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     to the ``upstream`` (eager, non-reentrant checkpointing) and ``none`` (eager, no
     checkpointing) runs of the newest DeepSpeed in the file: ``speedup`` = baseline step time /
     this step time, ``peak_ratio`` = this peak / baseline peak, ``baseline_ms`` and ``run``
-    the baseline's step time and run label.
+    the baseline's step time and run label. A Trainer-driven run (``trainer-dc-ckpt``) also gets
+    ``vs["own_loop"]``: its step time over that of our loop's run of the same variant
+    (``dc-ckpt``), DeepSpeed version and invocation (``step_ratio``; 1.0: the trainer costs
+    nothing).
 
     Ratios compare runs of one invocation only (the same ``run`` label; records without one
     count as one run). A run whose baseline a later invocation replaced keeps the ratios it got
@@ -575,6 +716,16 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
             kept = earlier.get(key, {}).get(base)
             if kept and run is not None and kept.get("run") == run:
                 record.setdefault("vs", {})[base] = kept  # against its own run's baseline
+    for key, record in ok.items():  # a Trainer-driven run against our loop's run of the same
+        own = TRAINER.get(record["variant"])
+        ref = ok.get(f"{own}@{key.split('@')[1]}") if own else None
+        kept = earlier.get(key, {}).get("own_loop")
+        if ref is not None and ref.get("run") == record.get("run"):
+            record.setdefault("vs", {})["own_loop"] = {
+                "variant": own, "step_ratio": record["step_ms"]["median"] / ref["step_ms"]["median"],
+                "baseline_ms": ref["step_ms"]["median"], "run": record.get("run")}
+        elif kept and record.get("run") is not None and kept.get("run") == record.get("run"):
+            record.setdefault("vs", {})["own_loop"] = kept  # against its own run's loop
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     return merged

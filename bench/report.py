@@ -192,12 +192,14 @@ def _native_micro(result: Mapping[str, Any]) -> List[str]:
 
 
 _LORA_ORDER = ("plain", "none", "upstream", "reentrant", "ours", "dc", "dc-warm", "dc-ckpt",
-               "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream")
+               "trainer-dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream")
 _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "upstream": "eager ZeRO-3, DeepSpeed's own", "reentrant": "eager ZeRO-3",
               "ours": "eager ZeRO-3 + ds_z3native holds", "dc": "DeepCompile + ds_z3native",
               "dc-warm": "DeepCompile + ds_z3native, inductor cache and profile store warm from `dc`",
               "dc-ckpt": "DeepCompile + ds_z3native",
+              "trainer-dc-ckpt": "HF Trainer + DeepCompile + ds_z3native (`dc-ckpt` through "
+                                 "`TrainingArguments`)",
               "dc-ckpt-lowmem": "DeepCompile + ds_z3native, persistence budget 0",
               "dc-ckpt-lean": "DeepCompile + ds_z3native, persistence and prefetch budgets 0",
               "dc-upstream": "DeepCompile, DeepSpeed's JIT op"}
@@ -206,20 +208,33 @@ _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
 def _lora_speedup(r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> Optional[str]:
     """Step-time speedup against the same run's eager ZeRO-3 with the same checkpointing
     (``vs`` from lora_llama.py merge), with its peak-memory ratio; where that baseline is not
-    the table's row (a later run replaced it), its step time is named."""
+    the table's row (a later run replaced it), its step time is named. A Trainer-driven run adds
+    its step time over that of our own loop's run of the same variant (``vs["own_loop"]``)."""
     vs = r.get("vs") or {}
     ckpt = (r.get("setup") or {}).get("checkpointing")
     base = "none" if ckpt == "none" else "upstream"
+    parts = []
     ref = vs.get(base)
-    if not ref:
-        return None
-    peak = ref.get("peak_ratio")
-    own_row = any(run_variant(k, x) == base and x.get("run") == r.get("run")
-                  for k, x in runs.items())
-    ms = ref.get("baseline_ms")
-    return (f"{ref['speedup']:.2f}x vs `{base}`"
-            + (f" of its run ({ms:.1f} ms)" if not own_row and isinstance(ms, (int, float)) else "")
-            + (f", peak {peak:.2f}x" if isinstance(peak, (int, float)) else ""))
+    if ref:
+        peak = ref.get("peak_ratio")
+        ms = ref.get("baseline_ms")
+        parts.append(f"{ref['speedup']:.2f}x vs `{base}`"
+                     + (f" of its run ({ms:.1f} ms)" if not _own_row(base, r, runs)
+                        and isinstance(ms, (int, float)) else "")
+                     + (f", peak {peak:.2f}x" if isinstance(peak, (int, float)) else ""))
+    own = vs.get("own_loop") or {}
+    if isinstance(own.get("step_ratio"), (int, float)):
+        ms = own.get("baseline_ms")
+        parts.append(f"step time {own['step_ratio']:.3f}x `{own['variant']}`'s"
+                     + (f" of its run ({ms:.1f} ms)" if not _own_row(own["variant"], r, runs)
+                        and isinstance(ms, (int, float)) else ""))
+    return "; ".join(parts) or None
+
+
+def _own_row(variant: str, r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Whether the table's row of ``variant`` is from the same run as ``r``."""
+    return any(run_variant(k, x) == variant and x.get("run") == r.get("run")
+               for k, x in runs.items())
 
 
 def _lora_keys(runs: Mapping[str, Mapping[str, Any]]) -> List[str]:

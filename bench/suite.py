@@ -568,10 +568,17 @@ def _lora_script() -> "tuple[str, Sequence[str]]":
 
 def check_lora_variants(variants: Sequence[str]) -> None:
     """Raise ValueError for a LoRA variant set that cannot run as asked (``dc-warm`` needs the
-    ``dc`` run of the same invocation to fill its inductor cache)."""
+    ``dc`` run of the same invocation to fill its inductor cache; ``trainer-dc-ckpt`` is compared
+    with the same invocation's ``dc-ckpt``)."""
     if "dc-warm" in variants and "dc" not in variants:
         raise ValueError("lora_llama variant dc-warm re-runs dc's graphs from the inductor cache "
                          "dc fills in the same invocation: pick dc as well")
+    from bench.lora_llama import TRAINER
+
+    for trainer, own in TRAINER.items():
+        if trainer in variants and own not in variants:
+            raise ValueError(f"lora_llama variant {trainer} is measured against our loop's {own} "
+                             f"of the same invocation: pick {own} as well")
 
 
 def _lora_inductor_cache(ctx: BenchContext, deepspeed: str, variant: str = "") -> Dict[str, str]:
@@ -667,18 +674,20 @@ def _lora_run(ctx: BenchContext) -> Dict[str, Any]:
 
 
 def _lora_smoke(ctx: BenchContext) -> Dict[str, Any]:
+    from bench.lora_llama import DEEPCOMPILE
+
     script, variants = _lora_script()
     picked = ["ours", "none"]
     ds = versions().get("deepspeed")
     # DeepCompile runs on the CPU from DeepSpeed 0.19.3 (its profiler falls back without CUDA).
     if ds and Version(ds).release >= (0, 19, 3):
-        picked.append("dc-ckpt")
+        picked += ["dc-ckpt", "trainer-dc-ckpt"]
     cmds = []
     for v in picked:
         if v not in variants:
             continue
         out = ctx.work_dir / "lora" / f"{v}.json"
-        steps = (["--dc-steps", "7"] if v.startswith("dc") else ["--steps", "2", "--warmup", "1"])
+        steps = (["--dc-steps", "7"] if v in DEEPCOMPILE else ["--steps", "2", "--warmup", "1"])
         cmds.append(Command([sys.executable, script, "--variant", v, "--size", "toy", *steps,
                              "--seq", "32", "--micro-batch", "1", "--no-track-gathered",
                              "--run", ctx.run_id, "--output", str(out)],

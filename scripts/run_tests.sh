@@ -3,7 +3,8 @@
 # pytest suite with the installed DeepSpeed, then the DeepSpeed-driving tests again on DeepSpeed
 # 0.19.2, then the release matrix: the tests marked release_matrix on every other supported
 # release (0.19.0, 0.19.1, 0.19.3 - 0.19.7). Each release is fetched once into .cache/ds-X with
-# pip --target (no deps; nothing else is installed).
+# pip --target (no deps; nothing else is installed). Last, the newest torch pip installs, in a
+# venv under .cache/newest-torch (DSZ_NEWEST_TORCH=off skips it).
 # Needs: torch, DeepSpeed 0.19.x, `pip install --no-build-isolation -e ".[test]"`, libgtest-dev.
 #
 # The matrix runs the subset's fast tests on every release and its slow ones (seed reproductions,
@@ -77,5 +78,36 @@ if [ "${DSZ_MATRIX:-on}" != off ]; then
     with_deepspeed ".cache/ds-$v" python -m pytest tests -q -m "$select" -p no:cacheprovider
   done
   echo "   (release matrix: $(( $(date +%s) - t1 )) s)"
+fi
+
+# The newest torch pip installs here (DSZ_NEWEST_TORCH: a pip requirement, default "torch", i.e.
+# the newest release pip resolves; "off" skips): a venv that sees this environment's packages with
+# torch replaced, the extension built for it (CPU flavour) from a copy of the tracked tree (the
+# in-place build of the suites above stays as it is), then the native ops, install gate, demo and
+# DeepCompile on the CPU.
+if [ "${DSZ_NEWEST_TORCH:-torch}" != off ]; then
+  t2=$(date +%s)
+  venv=$PWD/.cache/newest-torch
+  echo "== newest torch: pip install --upgrade '${DSZ_NEWEST_TORCH:-torch}' in .cache/newest-torch"
+  [ -x "$venv/bin/python" ] || python -m venv --system-site-packages "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade "${DSZ_NEWEST_TORCH:-torch}"
+  rm -rf "$venv/src" && mkdir -p "$venv/src"
+  git ls-files -z | xargs -0 tar cf - | tar xf - -C "$venv/src"
+  (cd "$venv/src" && DS_Z3NATIVE_CUDA=0 "$venv/bin/python" -m pip install -q --no-build-isolation \
+     --no-deps .)
+  (cd "$venv/src" && "$venv/bin/python" - <<'PY'
+import ds_z3native, torch
+info = ds_z3native.build_info()
+print(f"   torch {torch.__version__}: ds_z3native's {info['flavour']} flavour, built for "
+      f"{info['torch_version']}, from {ds_z3native.__file__}")
+assert info["torch_matches_build"] and "site-packages" in ds_z3native.__file__, info
+PY
+  )
+  (cd "$venv/src" && "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not gpu" \
+     tests/test_native_opcheck.py tests/test_native_schemas.py tests/test_native_refusals.py \
+     tests/test_native_hardening.py tests/test_native_lifetime.py tests/test_native_functions.py \
+     tests/test_native_gloo.py tests/test_native_campaign.py tests/test_install.py tests/test_demo.py \
+     "tests/test_deepcompile_cpu.py::test_frozen_layer_run_eagerly_is_gathered_and_trains_like_eager")
+  echo "   (newest torch: $(( $(date +%s) - t2 )) s)"
 fi
 echo "== all suites passed in $(( $(date +%s) - t0 )) s"

@@ -278,10 +278,22 @@ def test_gpu_benchmarks_smoke_on_cpu(tmp_path: Path, name: str) -> None:
             assert 0 < dc["reduce_bucket_bytes"] <= 2 * 4 * trainable
             # Where compiling went, per window: the re-plan recompiles (Dynamo, AOTAutograd)
             # although torch._dynamo.reset() cleared torch's counters at its start.
-            for window in ("first_step", "replan"):
-                phases = dc["compile_seconds"][window]
-                assert phases.get("_compile.compile_inner", 0) > 0, (window, phases)
-                assert phases.get("bytecode_tracing", 0) > 0, (window, phases)
+            for run in (dc, next(v for k, v in ok.items() if k.startswith("trainer-dc-ckpt@"))):
+                for window in ("first_step", "replan"):
+                    phases = run["compile_seconds"][window]
+                    assert phases.get("_compile.compile_inner", 0) > 0, (window, phases)
+                    assert phases.get("bytecode_tracing", 0) > 0, (window, phases)
+            # The same variant through HF Trainer: DeepCompile's graphs without a break, the
+            # re-plan at the 6th step, a loss logged at every step, its step time against ours.
+            trainer = next(v for k, v in ok.items() if k.startswith("trainer-dc-ckpt@"))
+            assert trainer["setup"]["loop"] == "transformers.Trainer"
+            assert dc["setup"]["loop"] == "own"
+            assert trainer["setup"]["deepspeed_config"] == dc["setup"]["deepspeed_config"]
+            assert trainer["graph_breaks"] == 0 and len(trainer["losses"]) == 7
+            assert len(trainer["step_s_all"]) == 7 and trainer["step_ms"]["n"] == 1
+            own = trainer["vs"]["own_loop"]
+            assert own["variant"] == "dc-ckpt" and own["step_ratio"] == pytest.approx(
+                trainer["step_ms"]["median"] / dc["step_ms"]["median"])
     else:
         if cpu_deepcompile:
             assert any(k.startswith("ours@") and v["first_step_s"]["median"] > 0
@@ -317,6 +329,41 @@ def test_lora_merge_keeps_one_setup_per_file(tmp_path: Path) -> None:
     assert old["step_ms"]["median"] == 150.0 and old["vs"]["upstream"]["speedup"] == pytest.approx(8.0)
     merged = merge([record("dc-ckpt", 1, 120.0)], out)  # the same record again: nothing replaced
     assert len(merged["replaced"]) == 1
+
+
+def test_trainer_run_is_measured_against_our_loop_of_the_same_run(tmp_path: Path) -> None:
+    from bench import report
+    from bench.lora_llama import merge
+    from bench.suite import check_lora_variants
+
+    def record(variant: str, median: float, run: str) -> Path:
+        path = tmp_path / f"{variant}-{run}.json"
+        path.write_text(json.dumps({
+            "variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 5.0, "run": run,
+            "step_ms": {"median": median, "min": median, "max": median},
+            "setup": {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4,
+                      "device": "NVIDIA H200", "checkpointing": "non-reentrant"}}))
+        return path
+
+    out = tmp_path / "lora_llama.json"
+    merged = merge([record("dc-ckpt", 140.0, "b"), record("trainer-dc-ckpt", 154.0, "b")], out)
+    own = merged["runs"]["trainer-dc-ckpt@0.19.8"]["vs"]["own_loop"]
+    assert own == {"variant": "dc-ckpt", "step_ratio": pytest.approx(1.1), "baseline_ms": 140.0,
+                   "run": "b"}
+    # Another invocation's dc-ckpt replaces the row: the trainer keeps the ratio of its own run,
+    # and the table names that run's step time.
+    merged = merge([record("upstream", 900.0, "a"), record("dc-ckpt", 100.0, "a")], out)
+    assert merged["runs"]["trainer-dc-ckpt@0.19.8"]["vs"]["own_loop"]["baseline_ms"] == 140.0
+    assert merged["runs"]["dc-ckpt@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(9.0)
+    rows = {ln.split("|")[1].strip(): ln for ln in report._lora(merged) if ln.startswith("| ")}
+    assert "step time 1.100x `dc-ckpt`'s of its run (140.0 ms)" in rows["trainer-dc-ckpt"]
+    assert "9.00x vs `upstream`" in rows["dc-ckpt"]
+    # A trainer run with no run of ours beside it gets no ratio (nothing to compare with).
+    merged = merge([record("trainer-dc-ckpt", 150.0, "c")], out)
+    assert "own_loop" not in (merged["runs"]["trainer-dc-ckpt@0.19.8"].get("vs") or {})
+    with pytest.raises(ValueError, match="pick dc-ckpt as well"):
+        check_lora_variants(["trainer-dc-ckpt"])
+    check_lora_variants(["trainer-dc-ckpt", "dc-ckpt"])
 
 
 def test_two_gpu_lora_runs_get_their_own_result_and_table(tmp_path: Path) -> None:

@@ -164,7 +164,8 @@ class Case:
     # "engine": engine.backward(loss); "torch": loss.backward(); "scale":
     # engine.scale(loss).backward(). Nothing is released by hand after any of them.
     backward: str = "engine"
-    precision: str = "fp32"  # or "bf16" (DeepSpeed's bf16 mode; fp16 needs a GPU)
+    # "bf16" (DeepSpeed's bf16 mode) or "fp16" (its fp16 mode, static loss scale 256: a GPU only)
+    precision: str = "fp32"
     steps: int = 3
     rows: int = 4  # per micro-batch and rank
 
@@ -189,6 +190,8 @@ TORCH_BACKWARD_GAS2 = Case("lora-torch-backward-gas2", input_grad=False, backwar
 SCALE_BACKWARD = Case("lora-scale-backward", input_grad=False, backward="scale")
 SCALE_BACKWARD_BF16 = Case("lora-scale-backward-bf16", input_grad=False, backward="scale",
                            precision="bf16")
+SCALE_BACKWARD_FP16 = Case("lora-scale-backward-fp16", input_grad=False, backward="scale",
+                           precision="fp16")
 NO_EARLY_STOP_TRAINABLE = Case("no-early-stop-trainable", model="seed", frozen=False,
                                early_stop=False)
 GATED_LAST_USE = Case("gated-last-use", model="gated", probe_last_use=True)
@@ -208,6 +211,8 @@ def _ds_config(case: Case) -> Dict[str, Any]:
         "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; the reference does not clip
         "steps_per_print": 10**9,
         **({"bf16": {"enabled": True}} if case.precision == "bf16" else {}),
+        # A static scale: every step is taken (a dynamic scale's first overflows would skip some).
+        **({"fp16": {"enabled": True, "loss_scale": 256}} if case.precision == "fp16" else {}),
     }
 
 
@@ -300,8 +305,8 @@ def _train(case: Case, rank: int, world_size: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {"losses": [], "violations": [], "raised": None}
 
     def forward_backward(x: torch.Tensor) -> float:
-        if case.precision == "bf16":
-            x = x.to(torch.bfloat16)
+        x = x.to(engine.device, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            case.precision, torch.float32))
         with torch.utils.checkpoint.set_checkpoint_early_stop(case.early_stop):
             loss = engine(x)
         if case.backward == "torch":
@@ -382,7 +387,7 @@ def _assert_trained_like_pytorch(name: str, got: Dict[str, Any], case: Case) -> 
     assert got["violations"] == [], f"{name}: ZeRO state after backward:\n" + \
         "\n".join(got["violations"])
     ref = got["reference"]
-    if case.precision == "bf16":  # the fp32 reference within bf16's rounding
+    if case.precision in ("bf16", "fp16"):  # the fp32 reference within the half type's rounding
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
                                    rtol=3e-2, atol=1e-3, msg=lambda m: f"{name} losses: {m}")
         return

@@ -1,5 +1,6 @@
 """The eager seed reproduction on one GPU over NCCL: a frozen LayerNorm feeding a trainable Linear,
-two blocks under non-reentrant torch.utils.checkpoint, D=1024, ZeRO-3, 3 steps (fp32).
+two blocks under non-reentrant torch.utils.checkpoint, D=1024, ZeRO-3, 3 steps (fp32); and the
+recompute holds released however backward is entered, in fp16 (a GPU-only mode of DeepSpeed).
 
 DeepSpeed alone fails before 0.19.3 (CheckpointError: a frozen [1024] norm weight recomputed as
 [0]); with ``ds_z3native.install()`` every version trains like plain PyTorch, and no
@@ -20,7 +21,8 @@ from packaging.version import Version
 
 from helpers.dist import run_ranks
 from helpers.zero import assert_unpatched_outcome, train_and_collect
-from test_eager_recompute import SEED, _batches, _engine, _zero_state_violations
+from test_eager_recompute import (SCALE_BACKWARD_BF16, SCALE_BACKWARD_FP16, SEED, TORCH_BACKWARD_GAS2,
+                                  _assert_group, _batches, _engine, _zero_state_violations, run_group)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed]
 
@@ -93,3 +95,23 @@ def test_seed_reproduction_two_gpus_nccl() -> None:
     for results in run_ranks(seed_on_device, 2, "cuda", "nccl", env={"DS_ACCELERATOR": "cuda"},
                              init_pg=False, timeout=600.0):
         check(results, rtol=1e-4, atol=1e-5)
+
+
+def recompute_cases_on_gpu(rank: int, world_size: int, cases: Any) -> Dict[str, Any]:
+    """``test_eager_recompute.run_group`` with install() on this rank's GPU over NCCL."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    return run_group(rank, world_size, "install", cases)
+
+
+def test_backward_entered_any_way_releases_the_recompute_holds_fp16() -> None:
+    # engine.scale(loss).backward() in DeepSpeed's fp16 mode (its loss scaler multiplies the
+    # loss; CPU DeepSpeed refuses fp16), beside bf16 and loss.backward() with accumulation: no
+    # param stays gathered or listed as in use after the backward, and training matches plain
+    # PyTorch within the half type's rounding.
+    cases = [SCALE_BACKWARD_FP16, SCALE_BACKWARD_BF16, TORCH_BACKWARD_GAS2]
+    results = run_ranks(recompute_cases_on_gpu, 1, cases, env={"DS_ACCELERATOR": "cuda"},
+                        init_pg=False, timeout=600.0)
+    _assert_group(results, cases)

@@ -310,6 +310,7 @@ void Runtime::startBackward(bool update)
     }
     window_closed_ = update;
     updating_ = update;
+    backward_started_ = true;
     for (auto& [id, ex] : executors_) { ex.updating = update; }
 }
 
@@ -436,6 +437,19 @@ void Runtime::endBackward(int64_t graph_id, bool release_reduce_buckets)
     DSZ_LOCK;
     const char* op = "end_backward";
     GraphExecutor& ex = executor(graph_id, op);
+    // DeepSpeed calls start_backward from the engine's backward prologue, before any backward
+    // graph runs. The one order that reaches end_backward without it is DeepCompile's profiler:
+    // when torch compiles a backward graph ahead of time (symbolic sizes saved for backward), the
+    // profiler runs it, end_backward included, during the first forward, with profiling on. That
+    // is accepted (reduce_grad queues nothing while profiling). Any other end_backward before the
+    // first start_backward means the prologue never ran: the accumulation window would never
+    // close, and later backwards would add to gradients the optimizer already consumed.
+    const size_t queued = reducer_.pending();
+    DSZ_CHECK(backward_started_ || (profiling_ && queued == 0), op, "graph_id ", graph_id,
+              ": no backward has begun on this runtime (start_backward was not called since "
+              "init; profiling ", profiling_ ? "on" : "off", ", ", queued,
+              " gradients queued). Call start_backward(update) before the backward graphs run, "
+              "as DeepSpeed's backward prologue does");
     reducer_.flushAll();
     // The optimizer step reads the grad buffers next.
     device_->synchronize(StreamRole::ReduceScatter);

@@ -92,6 +92,9 @@ public:
     void waitAllgather(int64_t graph_id, int64_t ds_id);
     void releaseParam(int64_t graph_id, int64_t ds_id, int64_t n_users);
     void reduceGrad(int64_t graph_id, int64_t ds_id, const at::Tensor& grad);
+    // Refused before any state changes while no backward has begun (start_backward never called
+    // since init), except for DeepSpeed's profiler, which runs backward graphs with profiling on
+    // and may do so before the first start_backward; see runtime.cpp.
     void endBackward(int64_t graph_id, bool release_reduce_buckets);
     void freeTensors(const std::vector<at::Tensor>& tensors);
     at::Tensor offloadTensor(const at::Tensor& t, int64_t graph_id, int64_t id);
@@ -144,6 +147,7 @@ private:
     bool updating_ = false;       // the current backward ends an accumulation window
     PersistenceUse persistence_{std::nullopt, 0, 0, 0};
     bool window_closed_ = true;   // the previous backward ended one: gradients start afresh
+    bool backward_started_ = false;  // start_backward was called since init (see endBackward)
     std::mutex mutex_;
 };
 

@@ -342,6 +342,7 @@ def test_graph_alias_is_resolved_by_every_graph_op_until_reset(m) -> None:
     # The alias and the id name one executor: a use counted under either releases the param.
     torch.ops.dc.release_param(full, -1, 1, 1)
     assert not m.param_state(1)["valid"]
+    m.start_backward(True)
     torch.ops.dc.reduce_grad(torch.ones(2), -1, 1)
     # Activation offload state is the graph's too: offloaded under the alias, reloaded under the id.
     act = torch.randn(3)

@@ -62,12 +62,15 @@ def param_values() -> Dict[int, torch.Tensor]:
 
 
 def prepare(m) -> None:
-    """Registers three params (1 trainable, 2 frozen, 3 trainable persistent) and graph 0."""
+    """Registers three params (1 trainable, 2 frozen, 3 trainable persistent) and graph 0, and
+    begins a backward (DeepSpeed's backward prologue calls start_backward before any backward
+    graph runs; end_backward refuses to run before the first one)."""
     shards = param_values()
     m.register_z3_param(1, list(SHAPES[1]), shards[1], torch.zeros(15), False)
     m.register_z3_param(2, list(SHAPES[2]), shards[2], torch.Tensor(), False)
     m.register_z3_param(3, list(SHAPES[3]), shards[3], torch.zeros(4), True, torch.float32)
     m.register_graph_z3(GRAPH, [1, 2, 3])
+    m.start_backward(True)
 
 
 def gathered(ds_id: int) -> torch.Tensor:

@@ -186,3 +186,133 @@ def test_zero1_wrong_size_gradient_refused_in_a_non_update_micro_step() -> None:
         _dc().end_backward([None], 0)
         assert torch.equal(buf, g1 + g2)
 
+
+
+def test_end_backward_before_any_start_backward_is_refused_unless_profiling() -> None:
+    # DeepSpeed calls start_backward from the engine's backward prologue before any backward
+    # graph runs; only DeepCompile's profiler runs a backward graph's end_backward before the
+    # first start_backward (a backward graph compiled ahead of time is profiled during the first
+    # forward), with profiling on and so nothing queued.
+    with live_runtime() as m:
+        buf = torch.zeros(4)
+        m.register_z3_param(1, [4], torch.ones(4), buf, False)
+        m.register_graph_z3(0, [1])
+        m.enable_profiling(True)
+        _dc().end_backward([torch.empty(0)], 0, True)
+        m.enable_profiling(False)
+        g = torch.randn(4)
+        _dc().reduce_grad(g, 0, 1)
+        for profiling in (False, True):
+            m.enable_profiling(profiling)
+            _raises(rf"^ds_z3native end_backward: graph_id 0: no backward has begun on this "
+                    rf"runtime \(start_backward was not called since init; profiling "
+                    rf"{'on' if profiling else 'off'}, 1 gradients queued\)",
+                    lambda: _dc().end_backward([None], 0))
+            # Refused before any state changed: the gradient is still queued, nothing landed.
+            assert m.runtime_info()["pending_gradients"] == 1 and not buf.any()
+        m.enable_profiling(False)
+        _raises(r"end_backward: .*graph_id 5", lambda: _dc().end_backward([None], 5))
+        m.start_backward(True)
+        _dc().end_backward([None], 0)
+        assert torch.equal(buf, g) and m.runtime_info()["pending_gradients"] == 0
+        # reset() drops the graphs, not the backward that has begun.
+        m.reset()
+        m.register_graph_z3(1, [1])
+        _dc().end_backward([None], 1)
+    with live_runtime() as m:  # a new init starts without a backward again
+        m.register_z3_param(1, [4], torch.ones(4), torch.zeros(4), False)
+        m.register_graph_z3(0, [1])
+        _raises(r"end_backward: graph_id 0: no backward has begun .*profiling off, 0 gradients",
+                lambda: _dc().end_backward(None, 0, False))
+
+
+def test_end_backward_with_meta_deps_outside_a_trace_is_refused() -> None:
+    meta = torch.empty(0, device="meta")
+    with live_runtime() as m:
+        buf = torch.zeros(4)
+        m.register_z3_param(1, [4], torch.ones(4), buf, False)
+        m.register_graph_z3(0, [1])
+        m.start_backward(True)
+        g = torch.randn(4)
+        _dc().reduce_grad(g, 0, 1)
+        for deps, where in (([torch.empty(0), meta], r"deps\[1\]"), (meta, "deps"),
+                            ([None, (torch.empty(0), torch.empty(2, 3, device="meta"))],
+                             r"deps\[1\]\[1\]")):
+            shape = r"\[2, 3\]" if "\\]\\[1" in where else r"\[0\]"
+            _raises(rf"^ds_z3native end_backward: graph_id 0: {where} is a meta tensor "
+                    rf"\(shape {shape}\) outside a fake-tensor trace",
+                    lambda: _dc().end_backward(deps, 0))
+            assert m.runtime_info()["pending_gradients"] == 1 and not buf.any()
+        _dc().end_backward([torch.empty(0)], 0)
+        assert torch.equal(buf, g)
+
+
+def test_end_backward_inside_a_fake_tensor_trace_leaves_the_runtime_alone() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with live_runtime() as m:
+        buf = torch.zeros(4)
+        m.register_z3_param(1, [4], torch.ones(4), buf, False)
+        m.register_graph_z3(0, [1])
+        m.start_backward(True)
+        g = torch.randn(4)
+        _dc().reduce_grad(g, 0, 1)
+        mode = FakeTensorMode()
+        for real in (torch.empty(0), torch.empty(0, device="meta")):
+            fake = mode.from_tensor(real)
+            with mode:
+                _dc().end_backward([fake, None], 0)
+            assert m.runtime_info()["pending_gradients"] == 1 and not buf.any()
+        _dc().end_backward([None], 0)
+        assert torch.equal(buf, g)
+
+
+_NONE_TENSOR_CALLS = {
+    "allgather_param": lambda: _dc().allgather_param(None, 0, 1),
+    "wait_allgather": lambda: _dc().wait_allgather(None, 0, 1),
+    "release_param": lambda: _dc().release_param(None, 0, 1, 2),
+    "reduce_grad": lambda: _dc().reduce_grad(None, 0, 1),
+    "offload_tensor": lambda: _dc().offload_tensor(None, 0, 7),
+    "reload_tensor": lambda: _dc().reload_tensor(None, 0, 7),
+    "wait_offload": lambda: _dc().wait_offload(None, 0, 7),
+    "wait_reload": lambda: _dc().wait_reload(None, 0, 7),
+    "offload_parameter": lambda: _dc().offload_parameter(None, 0, 1),
+    "reload_parameter": lambda: _dc().reload_parameter(None, 0, 1),
+    "test_call": lambda: _dc().test_call(None),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_NONE_TENSOR_CALLS))
+def test_a_none_tensor_argument_is_named(op) -> None:
+    with live_runtime() as m:
+        m.register_z3_param(1, [4], torch.ones(4), torch.zeros(4), False)
+        m.register_graph_z3(0, [1])
+        _raises(rf"^ds_z3native {op}: argument 'a' is None \(an undefined tensor\), where a "
+                "tensor is required$", _NONE_TENSOR_CALLS[op])
+        assert not m.param_state(1)["gathered"] and m.comm_stats()["allgather_calls"] == 0
+        assert torch.equal(_dc().allgather_param(PH, 0, 1), torch.ones(4))
+        # Other missing kernels keep torch's NotImplementedError type, naming op and key.
+        if op == "test_call":
+            with pytest.raises(NotImplementedError, match=r"^ds_z3native test_call: no kernel "
+                               r"for dispatch key \w+"):
+                _dc().test_call(torch.ones(2, dtype=torch.float32).to_sparse())
+
+
+def test_tensor_list_arguments_without_tensors() -> None:
+    with live_runtime() as m:
+        m.register_z3_param(1, [4], torch.ones(4), torch.zeros(4), False)
+        m.register_graph_z3(0, [1])
+        # None inside or for a Tensor[]: torch's own argument parsing names op and argument.
+        _raises(r"prefetch_params_fused\(\) Expected a value of type 'List\[Tensor\]' for "
+                r"argument 'params'", lambda: _dc().prefetch_params_fused(0, [None], [1]))
+        _raises(r"free_tensors\(\) Expected a value of type 'List\[Tensor\]' for argument 'a'",
+                lambda: _dc().free_tensors([None]))
+        _raises(r"free_tensors\(\) Expected a value of type 'List\[Tensor\]' for argument 'a'",
+                lambda: _dc().free_tensors(None))
+        # Empty lists leave the dispatcher no tensor to choose a kernel by (DeepSpeed's op
+        # refuses them too; DeepCompile never emits one).
+        _raises(r"^ds_z3native prefetch_params_fused: argument 'params' is an empty list",
+                lambda: _dc().prefetch_params_fused(0, [], []))
+        _raises(r"^ds_z3native free_tensors: argument 'a' is an empty list",
+                lambda: _dc().free_tensors([]))
+        assert m.comm_stats()["allgather_calls"] == 0

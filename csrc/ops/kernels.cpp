@@ -3,6 +3,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
+#include <string>
+#include <vector>
+
 #include "core/check.h"
 #include "python_gil.h"
 #include "runtime.h"
@@ -94,34 +97,58 @@ namespace {
 
 // The dispatcher never looks inside `Any`, so this kernel (registered for the catch-all key) is
 // also what runs while FakeTensorMode traces a graph. A trace must not flush, release or
-// invalidate the real runtime's state: deps holding fake or meta tensors mark one.
-bool tracing(const c10::IValue& deps)
+// invalidate the real runtime's state: deps holding fake tensors (Python key) mark one.
+// DeepSpeed's deps are the reduce_grad outputs of the graph (compile/fx.py add_end_backward),
+// real tensors or None in a run; a plain meta tensor outside a trace stands for a gradient that
+// was never reduced (reduce_grad refuses meta gradients), so it is refused rather than taken for
+// a trace, which would skip the flush. `path` names the offending element, e.g. "deps[1]".
+struct DepsKind {
+    bool fake = false;
+    std::string plain_meta;  // path of the first plain meta tensor, empty if none
+    std::vector<int64_t> plain_meta_sizes;
+};
+
+void scanDeps(const c10::IValue& deps, const std::string& path, DepsKind& kind)
 {
-    auto traced = [](const at::Tensor& t) {
-        return t.defined() && (t.is_meta() || t.key_set().has(c10::DispatchKey::Python));
-    };
-    if (deps.isTensor()) { return traced(deps.toTensor()); }
-    if (deps.isTensorList()) {
-        for (const at::Tensor& t : deps.toTensorList().vec()) {
-            if (traced(t)) { return true; }
+    if (deps.isTensor()) {
+        const at::Tensor& t = deps.toTensor();
+        if (!t.defined()) { return; }
+        if (t.key_set().has(c10::DispatchKey::Python)) {
+            kind.fake = true;
+        } else if (t.is_meta() && kind.plain_meta.empty()) {
+            kind.plain_meta = path;
+            kind.plain_meta_sizes = t.sizes().vec();
         }
-        return false;
+        return;
+    }
+    if (deps.isTensorList()) {
+        const std::vector<at::Tensor> items = deps.toTensorList().vec();
+        for (size_t i = 0; i < items.size(); ++i) {
+            scanDeps(c10::IValue(items[i]), path + "[" + std::to_string(i) + "]", kind);
+        }
+        return;
     }
     if (deps.isList() || deps.isTuple()) {
         c10::ArrayRef<c10::IValue> items =
             deps.isList() ? deps.toListRef() : c10::ArrayRef<c10::IValue>(deps.toTupleRef().elements());
-        for (const c10::IValue& v : items) {
-            if (tracing(v)) { return true; }
+        for (size_t i = 0; i < items.size(); ++i) {
+            scanDeps(items[i], path + "[" + std::to_string(i) + "]", kind);
         }
     }
-    return false;
 }
 
 }  // namespace
 
 void end_backward(const c10::IValue& deps, int64_t graph_id, bool release_reduce_buckets)
 {
-    if (tracing(deps)) { return; }
+    DepsKind kind;
+    scanDeps(deps, "deps", kind);
+    if (kind.fake) { return; }  // a trace
+    DSZ_CHECK(kind.plain_meta.empty(), "end_backward", "graph_id ", graph_id, ": ",
+              kind.plain_meta, " is a meta tensor (shape ", c10::IntArrayRef(kind.plain_meta_sizes),
+              ") outside a fake-tensor trace: DeepCompile passes the graph's reduce_grad outputs, "
+              "real tensors or None; a meta one stands for a gradient that was never reduced, "
+              "so the backward cannot be ended (nothing was flushed)");
     GilReleasedIfHeld no_gil;  // see python_gil.h
     get("end_backward")->endBackward(graph_id, release_reduce_buckets);
 }

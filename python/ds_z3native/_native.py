@@ -2,6 +2,15 @@
 
 Two libraries that both define the ``dc`` operator namespace abort the process (a C++ static
 initializer throws), so the check runs *before* the shared object is loaded.
+
+After loading, every dc op with tensor arguments gets an error callback for the dispatch keys it
+has no kernel for. The one that matters is the Undefined key: the dispatcher lands there when no
+argument carries a tensor (Python passes None for a ``Tensor`` argument as an undefined tensor,
+or a ``Tensor[]`` is empty), and torch's own message names the op but not the argument. A kernel
+cannot serve that key alone: torch.library stores a kernel registered for it as a catch-all
+(CompositeImplicitAutograd), which FakeTensorMode and AOT tracing would run in place of the Meta
+kernels, and the dispatcher asserts that no kernel is stored under the Undefined key itself.
+end_backward keeps DeepSpeed's catch-all (its ``Any deps`` may all be None).
 """
 
 from __future__ import annotations
@@ -11,7 +20,7 @@ import logging
 import re
 import threading
 from types import ModuleType
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -52,5 +61,43 @@ def load() -> ModuleType:
                 "before anything calls get_deepcompile_handle(), or set DS_Z3NATIVE=1 so it happens "
                 "at `import deepspeed`.")
         _module = importlib.import_module("ds_z3native._C")
+        _name_missing_tensor_arguments(_module.build_info()["flavour"])
         log.debug("loaded ds_z3native._C (%s build)", _module.build_info()["flavour"])
         return _module
+
+
+def _missing_kernel_error(op: str, no_tensor: str, flavour: str) -> Callable[[str], None]:
+    def report(key: str) -> None:
+        if key == "Undefined":
+            raise RuntimeError(f"ds_z3native {op}: {no_tensor}")
+        devices = "CPU and CUDA" if flavour == "cuda" else "CPU (this build has no CUDA)"
+        raise NotImplementedError(
+            f"ds_z3native {op}: no kernel for dispatch key {key}: the dc ops run on {devices} "
+            "tensors, and trace with meta or fake tensors")
+    return report
+
+
+def _name_missing_tensor_arguments(flavour: str) -> None:
+    """Installs the error callbacks described in the module docstring (torch's hook for a missing
+    kernel; it gets the dispatch key, not the arguments, which is enough: for these schemas the
+    Undefined key means every Tensor argument is None or every Tensor[] is empty)."""
+    set_callback = getattr(torch._C, "_dispatch_set_report_error_callback", None)
+    if set_callback is None:  # an older torch: its own message stays
+        return
+    from .compat.contract import NATIVE_SCHEMAS  # the ops csrc/ops/schema.cpp defines
+
+    for name in (declared.split("(", 1)[0] for declared in NATIVE_SCHEMAS):
+        schema = torch._C._jit_get_schemas_for_operator(f"dc::{name}")[0]
+        tensors = [a.name for a in schema.arguments if isinstance(a.type, torch._C.TensorType)]
+        lists = [a.name for a in schema.arguments if isinstance(a.type, torch._C.ListType)
+                 and isinstance(a.type.getElementType(), torch._C.TensorType)]
+        if tensors:
+            no_tensor = (f"argument '{tensors[0]}' is None (an undefined tensor), where a tensor "
+                         "is required")  # the ids are not known here: torch passes only the key
+        elif lists:
+            no_tensor = (f"argument '{lists[0]}' is an empty list: with no tensor among the "
+                         "arguments the dispatcher has no kernel to choose")
+        else:
+            continue
+        handle = torch._C._dispatch_find_schema_or_throw(f"dc::{name}", "")
+        set_callback(handle, _missing_kernel_error(name, no_tensor, flavour))

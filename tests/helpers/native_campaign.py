@@ -359,6 +359,7 @@ class _Campaign:
             return
         m.reset()
         m.register_graph_z3(CHECK_GRAPH, ids)
+        m.start_backward(False)  # the sequence may have drawn none: end_backward needs one
         try:
             dc.end_backward([None], CHECK_GRAPH)  # flushes what the sequence left queued
         except RuntimeError as e:

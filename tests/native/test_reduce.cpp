@@ -415,6 +415,35 @@ TEST(Profiling, ReduceGradIsANoOpWhileProfiling)
     EXPECT_EQ(world->issued(), ws);
 }
 
+// end_backward before the first start_backward: DeepCompile's profiler may run a backward graph
+// then (profiling on, nothing queued); anything else is refused before any state changes.
+TEST(BackwardOrder, EndBackwardBeforeTheFirstStartBackward)
+{
+    const int64_t ws = 2;
+    auto world = std::make_shared<LoopbackWorld>(ws);
+    runRanks(world, smallConfig(), [&](int64_t rank, Runtime& rt) {
+        at::Tensor buf = registerZ3(rt, 41, {5});
+        rt.registerGraph(kGraph, {41}, ZeroStage::Z3);
+        rt.enableProfiling(true);
+        rt.endBackward(kGraph, true);
+        rt.enableProfiling(false);
+        rt.reduceGrad(kGraph, 41, rankGrad(41, {5}, rank, 0));
+        for (bool profiling : {false, true}) {
+            rt.enableProfiling(profiling);
+            EXPECT_TRUE(throwsNaming([&] { rt.endBackward(kGraph, true); },
+                                     {"end_backward", "graph_id " + std::to_string(kGraph),
+                                      "no backward has begun", "1 gradients queued"}));
+            EXPECT_EQ(rt.pendingGradients(), 1u);
+        }
+        rt.enableProfiling(false);
+        EXPECT_TRUE(buf.eq(0.0f).all().item<bool>());
+        rt.startBackward(true);
+        rt.endBackward(kGraph, true);
+        expectShard(buf, expectedShard(41, {5}, ws, rank, {0}), 41);
+    });
+    EXPECT_EQ(world->issued(), ws);
+}
+
 // Gradients are bucketed per dtype: expected_grad_dtype converts them first; a buffer of another
 // dtype than the gradient receives through a staging copy.
 TEST(Buckets, MixedDtypesReduceIntoTheirBuffers)

@@ -25,7 +25,8 @@ PH = torch.empty(0)
 
 # Messages a call racing cleanup()/init()/reset() may end with: each names what is missing.
 _RACE_ERRORS = ("not initialized", "unknown graph_id", "unknown ds_id",
-                "is not gathered")  # released on a runtime that replaced the one it gathered on
+                "is not gathered",  # released on a runtime that replaced the one it gathered on
+                "no backward has begun")  # ended on a runtime that replaced the one it began on
 
 _PRELUDE = r'''
 import json, threading, torch, torch.distributed as dist

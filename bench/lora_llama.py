@@ -412,7 +412,6 @@ def _trainer_steps(args: argparse.Namespace, model: Any, config: Dict[str, Any],
     class Clocked(TrainerCallback):  # type: ignore[misc]
         def __init__(self) -> None:
             self.last = 0.0
-            self.loss: Optional[float] = None
 
         def on_train_begin(self, *a: Any, **k: Any) -> None:
             drain()

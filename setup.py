@@ -249,7 +249,7 @@ setup(
     extras_require={
         # scipy: DeepCompile's prefetch pass interpolates its all-gather profile with it.
         # accelerate and trl: the trainer tests drive HF Trainer and TRL's SFTTrainer.
-        "test": ["pytest>=7", "expecttest", "deepspeed>=0.19.0,<0.20", "scipy>=1.7",
+        "test": ["pytest>=7", "pytest-xdist>=3", "expecttest", "deepspeed>=0.19.0,<0.20", "scipy>=1.7",
                  "accelerate>=1.0", "trl>=0.20"],
         "demo": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12", "tqdm>=4.60",
                  "scipy>=1.7"],

@@ -300,12 +300,66 @@ class _StepClock:
         self.compiled_before: Dict[str, float] = {}
         self.marks: Dict[str, float] = {}  # compile_to_first_step_s, wall_to_last_step_s
         self._t0 = 0.0
+        # Host time per timed step inside the engine's forward / backward / step and in
+        # Python's garbage collector (see watch()), and the collections by generation.
+        self._current: Dict[str, float] = {}
+        self.host: Dict[str, List[float]] = {}
+        self.gc_collections = [0, 0, 0]
+        self._gc_start = 0.0
+        self._unwatch: List[Callable[[], None]] = []
+
+    def watch(self, engine: Any) -> None:
+        """Adds up, per step, the host time spent in ``engine``'s forward, backward and step
+        calls (the engine instance's own attributes: whoever calls them, our loop or a
+        trainer's) and in garbage collection; the rest of a step is the loop's own."""
+        import gc
+
+        for name in ("forward", "backward", "step"):
+            inner = getattr(engine, name)
+
+            def timed(*a: Any, _inner: Callable = inner, _name: str = name, **k: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _inner(*a, **k)
+                finally:
+                    self._add(_name, time.perf_counter() - start)
+
+            setattr(engine, name, timed)
+            self._unwatch.append(lambda name=name: engine.__dict__.pop(name, None))
+
+        def collected(phase: str, info: Dict[str, int]) -> None:
+            if phase == "start":
+                self._gc_start = time.perf_counter()
+                return
+            self._add("gc", time.perf_counter() - self._gc_start)
+            if self._current.get("timed"):
+                self.gc_collections[info.get("generation", 0)] += 1
+
+        gc.callbacks.append(collected)
+        self._unwatch.append(lambda: gc.callbacks.remove(collected))
+
+    def unwatch(self) -> None:
+        while self._unwatch:
+            self._unwatch.pop()()
+
+    def _add(self, name: str, seconds: float) -> None:
+        self._current[name] = self._current.get(name, 0.0) + seconds
+
+    def host_ms(self) -> Optional[Dict[str, float]]:
+        """Median host ms per timed step in each part (``other``: the step's time outside the
+        engine's calls, garbage collection there included)."""
+        if not self.host:
+            return None
+        out = {k: statistics.median(v) for k, v in sorted(self.host.items())}
+        out["gc_collections_by_generation"] = list(self.gc_collections)  # type: ignore[assignment]
+        return out
 
     def begin(self) -> None:
         self._t0 = time.perf_counter()
         self.compiled_before = compile_seconds() if self.deepcompile else {}
 
     def ready(self, i: int) -> None:
+        self._current = {"timed": float(i >= self.first_timed)}
         if i != self.first_timed:
             return
         if self.on_gpu:
@@ -325,6 +379,12 @@ class _StepClock:
             self.compile_marks[str(i)] = compile_seconds()
         if i >= self.first_timed:
             self.times.append(elapsed * 1e3)
+            if self._unwatch:
+                parts = {k: self._current.get(k, 0.0) * 1e3
+                         for k in ("forward", "backward", "step", "gc")}
+                parts["other"] = elapsed * 1e3 - parts["forward"] - parts["backward"] - parts["step"]
+                for k, v in parts.items():
+                    self.host.setdefault(k, []).append(v)
         if i == self.total - 1:
             self.marks["wall_to_last_step_s"] = time.perf_counter() - self._t0
         log.info("%s step %d/%d: %.1f ms%s%s", self.variant, i + 1, self.total, elapsed * 1e3,
@@ -356,6 +416,7 @@ def _own_loop(args: argparse.Namespace, model: Any, config: Dict[str, Any], devi
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=config)
+        clock.watch(engine)
 
         def forward_backward(ids: Any) -> Any:
             loss = engine(input_ids=ids, labels=ids).loss
@@ -414,6 +475,7 @@ def _trainer_steps(args: argparse.Namespace, model: Any, config: Dict[str, Any],
             self.last = 0.0
 
         def on_train_begin(self, *a: Any, **k: Any) -> None:
+            clock.watch(trainer.model_wrapped)  # the engine accelerate built (and compiled)
             drain()
             clock.begin()
             clock.ready(0)
@@ -550,8 +612,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             engine = _trainer_steps(args, model, config, dtype, clock, world_size)
         else:
             engine, step = _own_loop(args, model, config, device, clock, rank)
-    finally:  # a failed step too: no sampler left running
+    finally:  # a failed step too: no sampler left running, no wrapper or gc callback left
         record["gpu_conditions"] = conditions.stop()
+        clock.unwatch()
+    record["host_ms"] = clock.host_ms()
     record.update(clock.marks)
     all_steps, losses, times, compile_marks = (clock.all_steps, clock.losses, clock.times,
                                                clock.compile_marks)
@@ -618,6 +682,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     log.info("%s: median %.1f ms (min %.1f, max %.1f), %.0f tokens/s, %.1f TFLOP/s, peak %.2f GiB",
              variant, record["step_ms"]["median"], record["step_ms"]["min"],
              record["step_ms"]["max"], record["tokens_per_s"], record["tflops"], record["peak_gib"])
+    host = record["host_ms"]
+    if host:
+        log.info("%s: host ms per timed step (median): forward %.1f, backward %.1f, step %.1f, "
+                 "outside the engine %.1f; garbage collection %.1f (collections by generation "
+                 "%s)", variant, host["forward"], host["backward"], host["step"], host["other"],
+                 host["gc"], host["gc_collections_by_generation"])
     return record
 
 

@@ -7,9 +7,11 @@
 # venv under .cache/newest-torch (DSZ_NEWEST_TORCH=off skips it).
 # Needs: torch, DeepSpeed 0.19.x, `pip install --no-build-isolation -e ".[test]"`, libgtest-dev.
 #
-# The matrix runs the subset's fast tests on every release and its slow ones (seed reproductions,
-# demo, DeepCompile's registration, DeepCompile on the CPU from 0.19.4) on one release a day,
-# chosen by the day of the year (each release once a week), to stay within ~8 minutes on 2 cores.
+# The pytest suites run on one pytest-xdist worker per core (at most 4; a test file stays on one
+# worker); the matrix runs two releases at a time. The matrix runs the subset's fast tests on
+# every release and its slow ones (seed reproductions, demo, DeepCompile's registration,
+# DeepCompile on the CPU from 0.19.4) on one release a day, chosen by the day of the year (each
+# release once a week).
 # DSZ_MATRIX_FULL="0.19.0 0.19.5" picks the releases that get the slow tests too ("all": every
 # one), DSZ_MATRIX=off skips the matrix.
 set -euo pipefail
@@ -17,6 +19,18 @@ cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 jobs=$(nproc 2>/dev/null || echo 2)
 t0=$(date +%s)
+
+# pytest workers (pytest-xdist, one test file per worker at a time: a file's fixtures are shared
+# by its tests): one per core, at most 4; DSZ_PYTEST_WORKERS=1 runs the suites in one process.
+workers=${DSZ_PYTEST_WORKERS:-$(( jobs < 4 ? jobs : 4 ))}
+par=()
+if [ "$workers" -gt 1 ]; then
+  if python -c "import xdist" 2>/dev/null; then
+    par=(-n "$workers" --dist loadfile)
+  else
+    echo "   (pytest-xdist is not installed: one pytest process; pip install -e '.[test]' adds it)"
+  fi
+fi
 
 fetch_deepspeed() {  # version, directory
   if [ ! -f "$2/deepspeed/__init__.py" ]; then
@@ -46,13 +60,14 @@ ctest --test-dir "$build" --output-on-failure -j "$jobs"
 echo "   ($(( $(date +%s) - t0 )) s so far)"
 
 echo "== pytest (DeepSpeed $(python -c 'import deepspeed; print(deepspeed.__version__)' 2>/dev/null | tail -1))"
-python -m pytest tests -q -m "not gpu" -p no:cacheprovider
+python -m pytest tests -q -m "not gpu" -p no:cacheprovider "${par[@]}"
 echo "   ($(( $(date +%s) - t0 )) s so far)"
 
 ds_old=${DSZ_DEEPSPEED_OLD_DIR:-.cache/ds-0.19.2}
 fetch_deepspeed 0.19.2 "$ds_old"
 echo "== pytest -m deepspeed (DeepSpeed 0.19.2 from $ds_old)"
-with_deepspeed "$ds_old" python -m pytest tests -q -m "deepspeed and not gpu" -p no:cacheprovider
+with_deepspeed "$ds_old" python -m pytest tests -q -m "deepspeed and not gpu" -p no:cacheprovider \
+  "${par[@]}"
 echo "   ($(( $(date +%s) - t0 )) s so far)"
 
 if [ "${DSZ_MATRIX:-on}" != off ]; then
@@ -68,15 +83,38 @@ if [ "${DSZ_MATRIX:-on}" != off ]; then
     full=" ${releases[$(( day % ${#releases[@]} ))]} "
   fi
   echo "== release matrix: slow tests on${full}(day $(date -u +%j) of the year), fast ones on every release"
-  for v in "${releases[@]}"; do
-    if [ "$full" = " all " ] || [[ "$full" == *" $v "* ]]; then
-      select="release_matrix and not gpu"
-    else
-      select="release_matrix and not slow and not gpu"
-    fi
-    echo "== pytest -m '$select' (DeepSpeed $v from .cache/ds-$v)"
-    with_deepspeed ".cache/ds-$v" python -m pytest tests -q -m "$select" -p no:cacheprovider
+  # Two releases at a time (each its own pytest process and log), printed in order.
+  lane() {  # version, selection: that release's pytest run, into .cache/matrix-<version>.log
+    with_deepspeed ".cache/ds-$1" python -m pytest tests -q -m "$2" -p no:cacheprovider \
+      >".cache/matrix-$1.log" 2>&1
+  }
+  failed=()
+  for ((i = 0; i < ${#releases[@]}; i += 2)); do
+    pids=()
+    for v in "${releases[@]:i:2}"; do
+      if [ "$full" = " all " ] || [[ "$full" == *" $v "* ]]; then
+        select="release_matrix and not gpu"
+      else
+        select="release_matrix and not slow and not gpu"
+      fi
+      echo "== pytest -m '$select' (DeepSpeed $v from .cache/ds-$v)"
+      lane "$v" "$select" &
+      pids+=($!)
+    done
+    for j in "${!pids[@]}"; do
+      v=${releases[$((i + j))]}
+      if wait "${pids[$j]}"; then
+        echo "   DeepSpeed $v: $(tail -1 ".cache/matrix-$v.log")"
+      else
+        cat ".cache/matrix-$v.log"
+        failed+=("$v")
+      fi
+    done
   done
+  if [ ${#failed[@]} -gt 0 ]; then
+    echo "release matrix failed on DeepSpeed ${failed[*]}"
+    exit 1
+  fi
   echo "   (release matrix: $(( $(date +%s) - t1 )) s)"
 fi
 
@@ -103,7 +141,7 @@ print(f"   torch {torch.__version__}: ds_z3native's {info['flavour']} flavour, b
 assert info["torch_matches_build"] and "site-packages" in ds_z3native.__file__, info
 PY
   )
-  (cd "$venv/src" && "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not gpu" \
+  (cd "$venv/src" && "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not gpu" "${par[@]}" \
      tests/test_native_opcheck.py tests/test_native_schemas.py tests/test_native_refusals.py \
      tests/test_native_hardening.py tests/test_native_lifetime.py tests/test_native_functions.py \
      tests/test_native_gloo.py tests/test_native_campaign.py tests/test_install.py tests/test_demo.py \

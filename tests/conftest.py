@@ -8,6 +8,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(config, items):
+    # Modules with the most slow tests first (stable otherwise): under pytest-xdist's loadfile
+    # distribution (scripts/run_tests.sh) the longest files start first and the workers end
+    # together instead of one running the heaviest file alone at the end.
+    slow = {}
+    for item in items:
+        slow[item.module.__name__] = slow.get(item.module.__name__, 0) + ("slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.module.__name__])
+
     import torch
 
     if torch.cuda.is_available():

@@ -291,6 +291,13 @@ def test_gpu_benchmarks_smoke_on_cpu(tmp_path: Path, name: str) -> None:
             assert trainer["setup"]["deepspeed_config"] == dc["setup"]["deepspeed_config"]
             assert trainer["graph_breaks"] == 0 and len(trainer["losses"]) == 7
             assert len(trainer["step_s_all"]) == 7 and trainer["step_ms"]["n"] == 1
+            # Where each step's host time went, measured the same way in both loops: the wrappers
+            # sit on the engine each loop drives (the one accelerate built, for the trainer).
+            for run in (dc, trainer):
+                host = run["host_ms"]
+                assert min(host["forward"], host["backward"], host["step"]) > 0, host
+                assert host["other"] < run["step_ms"]["max"], host
+                assert len(host["gc_collections_by_generation"]) == 3, host
             own = trainer["vs"]["own_loop"]
             assert own["variant"] == "dc-ckpt" and own["step_ratio"] == pytest.approx(
                 trainer["step_ms"]["median"] / dc["step_ms"]["median"])

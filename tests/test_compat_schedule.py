@@ -174,3 +174,29 @@ def test_the_engines_bound_launcher_is_the_patched_one(installed: None) -> None:
 
     assert init_z3.launch_compile_passes is backend.launch_compile_passes
     assert backend.launch_compile_passes.__wrapped__ is not None
+
+
+def test_an_uninstall_leaves_no_wrapper_bound_in_init_z3_and_a_reinstall_rebinds_it() -> None:
+    # Fresh interpreter: init_z3 imported after install() takes the wrapper itself (its
+    # ``from backend import launch_compile_passes`` runs after backend was patched). Uninstall
+    # must put DeepSpeed's function back there too, and the next install bind its new wrapper.
+    from helpers.dist import run_python
+
+    r = run_python("""
+        import ds_z3native
+        ds_z3native.install()
+        from deepspeed.compile import backend, init_z3
+        original = backend.launch_compile_passes.__wrapped__
+        print("BOUND", init_z3.launch_compile_passes is backend.launch_compile_passes)
+        ds_z3native.uninstall()
+        print("RESTORED", init_z3.launch_compile_passes is original,
+              backend.launch_compile_passes is original)
+        ds_z3native.install()
+        print("REBOUND", init_z3.launch_compile_passes is backend.launch_compile_passes,
+              backend.launch_compile_passes is not original)
+        """, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
+    assert lines["BOUND"] == "True", r.stdout
+    assert lines["RESTORED"] == "True True", r.stdout
+    assert lines["REBOUND"] == "True True", r.stdout

@@ -9,7 +9,8 @@ from typing import Callable, List, Sequence
 
 from . import Undo
 
-__all__ = ["wrap_function", "wrap_method", "when_module_imported", "undo_all"]
+__all__ = ["wrap_function", "wrap_method", "when_module_imported", "rebind_when_imported",
+           "undo_all"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,39 @@ def when_module_imported(module_name: str, apply: Callable[[], Undo]) -> Undo:
             applied.pop()()
 
     return undo
+
+
+def rebind_when_imported(module_name: str, original: Callable, wrapper: Callable) -> Undo:
+    """Point ``module_name``'s own reference to ``original`` (a ``from x import f`` binding) at
+    ``wrapper``, now if the module is imported, else when DeepSpeed imports it.
+
+    The module may already hold ``wrapper`` (it imported the name after the wrapper was put in
+    place) or an earlier wrapper of the same original (``__wrapped__``: a binding left from an
+    earlier install): both are rebound, and the undo puts ``original`` back wherever ``wrapper``
+    still is, so nothing of ours outlives an uninstall. Any other object there is someone
+    else's and stays.
+    """
+    name = original.__name__
+
+    def rebind() -> Undo:
+        import sys
+
+        module = sys.modules[module_name]
+        current = getattr(module, name, None)
+        ours = current is original or current is wrapper or (
+            getattr(current, "__wrapped__", None) is original)
+        if not ours:
+            log.debug("%s.%s is neither DeepSpeed's nor ours; left as it is", module_name, name)
+            return lambda: None
+        setattr(module, name, wrapper)
+
+        def undo() -> None:
+            if getattr(module, name, None) is wrapper:
+                setattr(module, name, original)
+
+        return undo
+
+    return when_module_imported(module_name, rebind)
 
 
 def undo_all(undos: Sequence[Undo]) -> Undo:

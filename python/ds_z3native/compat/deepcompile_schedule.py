@@ -29,7 +29,7 @@ from typing import Any, Callable, List, Tuple
 from packaging.version import Version
 
 from . import Patch, Undo
-from ._rebind import undo_all, when_module_imported, wrap_function
+from ._rebind import rebind_when_imported, undo_all, when_module_imported, wrap_function
 
 __all__ = ["DEEPCOMPILE_KWARGS_DEPENDENCIES", "DEEPCOMPILE_RESUME_SCHEDULE", "PATCHES",
            "node_inputs", "shift_schedule"]
@@ -110,26 +110,6 @@ def patch_kwargs_dependencies() -> Undo:
     return when_module_imported(SCHEDULE_MODULE, schedule)
 
 
-def _rebinder(module_name: str, original: Callable, wrapper: Callable) -> Callable[[], Undo]:
-    """Points ``module_name``'s own reference to ``original`` at ``wrapper`` (and back)."""
-
-    def rebind() -> Undo:
-        import sys
-
-        module = sys.modules[module_name]
-        if getattr(module, original.__name__, None) is not original:
-            return lambda: None
-        setattr(module, original.__name__, wrapper)
-
-        def undo() -> None:
-            if getattr(module, original.__name__, None) is wrapper:
-                setattr(module, original.__name__, original)
-
-        return undo
-
-    return rebind
-
-
 def shift_schedule(schedule: Any, global_steps: int) -> int:
     """Moves every entry of ``schedule`` (a deque of ``(step, passes)``) so that its first entry
     is at ``global_steps``, when that entry's step is already behind it; returns the shift."""
@@ -171,7 +151,7 @@ def patch_resume_schedule() -> Undo:
         undos = [wrap_function([backend], "launch_compile_passes", _launching_after_resume)]
         wrapper = backend.launch_compile_passes
         for name in LAUNCH_OWNERS[1:]:
-            undos.append(when_module_imported(name, _rebinder(name, original, wrapper)))
+            undos.append(rebind_when_imported(name, original, wrapper))
         return undo_all(undos)
 
     return when_module_imported(BACKEND_MODULE, apply)

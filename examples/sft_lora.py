@@ -189,6 +189,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(args.results, "w") as f:
             json.dump({"train_loss": recorder.train, "eval_loss": recorder.eval,
                        "global_step": trainer.state.global_step, "adapter": adapter_dir,
+                       "total_flos": trainer.state.total_flos,
                        "trainer": args.trainer}, f)
     if not torch.cuda.is_available() and torch.distributed.is_initialized():
         _leave_cpu_ranks()

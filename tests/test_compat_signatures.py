@@ -93,6 +93,10 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         ("deepspeed.comm.comm", "all_gather", ())],
     "deepcompile-cpu-device": [
         ("deepspeed.accelerator.cpu_accelerator", "CPU_Accelerator.current_device", ("self",))],
+    "hf-trainer-zero3-flos": [],  # transformers' Trainer only: see tests/test_hf_trainer_loop.py
+    "engine-train-unchanged-mode": [
+        (_ENGINE, "DeepSpeedEngine.train", ("self", "mode"))],
+    "engine-zero-grad-param-list": [(_ENGINE, "DeepSpeedEngine.zero_grad", ("self",))],
     "checkpoint_recompute_frozen": _RECOMPUTE,
     "checkpoint_recompute_hardening": _RECOMPUTE,
 }

@@ -120,7 +120,9 @@ def assert_same_training(ours: Dict[str, Any], ref: Dict[str, Any], steps: List[
     about ``lr`` whatever its gradient's size, so a weight whose gradient is near zero can move
     the other way in one run; each differs by at most ``2 * lr * steps``, and the LoRA B weights
     (zero at the start: their value is what training did) differ on average by under 5% of their
-    mean size."""
+    mean size. The Trainer's FLOP count (``total_flos``) is the same: ZeRO-3's partitioned params
+    count at their full size."""
+    assert ours["total_flos"] == ref["total_flos"] > 0, (ours["total_flos"], ref["total_flos"])
     a, b = losses_by_step(ours), losses_by_step(ref)
     assert set(steps) <= set(a) and set(steps) <= set(b), (sorted(a), sorted(b))
     torch.testing.assert_close(torch.tensor([a[s] for s in steps]),

@@ -15,6 +15,8 @@
 * ``cpu_accelerator``: DeepCompile on DeepSpeed's CPU accelerator gets a device it can parse.
 * ``gloo_collectives``: DeepSpeed's collectives on CPU tensors under torch.compile's Python
   dispatcher run without it (a gloo deadlock otherwise).
+* ``hf_trainer_loop``: HF Trainer's per-step walks of the module tree (``model.train()``,
+  ``model.zero_grad()``, its FLOP count) cost a list walk, and its FLOP count sees ZeRO-3's params.
 * ``checkpoint_recompute`` (optional module ``ds_z3native.compat.checkpoint_recompute``, its
   ``PATCHES``): eager ZeRO-3 with activation checkpointing of frozen params. Imported lazily; its
   absence is tolerated, an error while importing it is not.
@@ -53,13 +55,14 @@ def all_patches() -> List[Patch]:
     """Every known patch, whatever DeepSpeed version it targets."""
     from . import (cpu_accelerator, deepcompile_aot, deepcompile_eager, deepcompile_frozen,
                    deepcompile_graph_ids, deepcompile_prefetch, deepcompile_profile_store,
-                   deepcompile_schedule, gloo_collectives, hf_graph_breaks)
+                   deepcompile_schedule, gloo_collectives, hf_graph_breaks, hf_trainer_loop)
 
     patches = (list(deepcompile_frozen.PATCHES) + list(hf_graph_breaks.PATCHES)
                + list(deepcompile_eager.PATCHES) + list(deepcompile_prefetch.PATCHES)
                + list(deepcompile_graph_ids.PATCHES) + list(deepcompile_profile_store.PATCHES)
                + list(deepcompile_schedule.PATCHES) + list(deepcompile_aot.PATCHES)
-               + list(cpu_accelerator.PATCHES) + list(gloo_collectives.PATCHES))
+               + list(cpu_accelerator.PATCHES) + list(gloo_collectives.PATCHES)
+               + list(hf_trainer_loop.PATCHES))
     for name in OPTIONAL_MODULES:
         patches += _optional_patches(name)
     names = [p.name for p in patches]

@@ -8,10 +8,10 @@
 # Needs: torch, DeepSpeed 0.19.x, `pip install --no-build-isolation -e ".[test]"`, libgtest-dev.
 #
 # The pytest suites run on one pytest-xdist worker per core (at most 4; a test file stays on one
-# worker); the matrix runs two releases at a time. The matrix runs the subset's fast tests on
-# every release and its slow ones (seed reproductions, demo, DeepCompile's registration,
-# DeepCompile on the CPU from 0.19.4) on one release a day, chosen by the day of the year (each
-# release once a week).
+# worker); the matrix runs as many releases at a time, those with slow tests first. The matrix
+# runs the subset's fast tests on every release and its slow ones (seed reproductions, demo,
+# DeepCompile's registration, DeepCompile on the CPU from 0.19.4) on one release a day, chosen by
+# the day of the year (each release once a week).
 # DSZ_MATRIX_FULL="0.19.0 0.19.5" picks the releases that get the slow tests too ("all": every
 # one), DSZ_MATRIX=off skips the matrix.
 set -euo pipefail
@@ -83,33 +83,47 @@ if [ "${DSZ_MATRIX:-on}" != off ]; then
     full=" ${releases[$(( day % ${#releases[@]} ))]} "
   fi
   echo "== release matrix: slow tests on${full}(day $(date -u +%j) of the year), fast ones on every release"
-  # Two releases at a time (each its own pytest process and log), printed in order.
-  lane() {  # version, selection: that release's pytest run, into .cache/matrix-<version>.log
+  # A queue of releases, the ones with slow tests first, run by as many lanes as pytest workers
+  # (each release its own pytest process, log and exit status), reported in release order.
+  slow_first=()
+  for v in "${releases[@]}"; do
+    if [ "$full" = " all " ] || [[ "$full" == *" $v "* ]]; then slow_first+=("$v"); fi
+  done
+  for v in "${releases[@]}"; do
+    if ! { [ "$full" = " all " ] || [[ "$full" == *" $v "* ]]; }; then slow_first+=("$v"); fi
+  done
+  lane() {  # version, selection: that release's pytest run, into .cache/matrix-<version>.log/.rc
+    local rc=0
     with_deepspeed ".cache/ds-$1" python -m pytest tests -q -m "$2" -p no:cacheprovider \
-      >".cache/matrix-$1.log" 2>&1
+      >".cache/matrix-$1.log" 2>&1 || rc=$?
+    echo "$rc" >".cache/matrix-$1.rc"
   }
+  lanes=$(( workers > 1 ? workers : 1 ))
+  running=0
+  for v in "${slow_first[@]}"; do
+    if [ "$running" -ge "$lanes" ]; then
+      wait -n || true
+      running=$((running - 1))
+    fi
+    if [ "$full" = " all " ] || [[ "$full" == *" $v "* ]]; then
+      select="release_matrix and not gpu"
+    else
+      select="release_matrix and not slow and not gpu"
+    fi
+    echo "== pytest -m '$select' (DeepSpeed $v from .cache/ds-$v)"
+    rm -f ".cache/matrix-$v.rc"
+    lane "$v" "$select" &
+    running=$((running + 1))
+  done
+  wait
   failed=()
-  for ((i = 0; i < ${#releases[@]}; i += 2)); do
-    pids=()
-    for v in "${releases[@]:i:2}"; do
-      if [ "$full" = " all " ] || [[ "$full" == *" $v "* ]]; then
-        select="release_matrix and not gpu"
-      else
-        select="release_matrix and not slow and not gpu"
-      fi
-      echo "== pytest -m '$select' (DeepSpeed $v from .cache/ds-$v)"
-      lane "$v" "$select" &
-      pids+=($!)
-    done
-    for j in "${!pids[@]}"; do
-      v=${releases[$((i + j))]}
-      if wait "${pids[$j]}"; then
-        echo "   DeepSpeed $v: $(tail -1 ".cache/matrix-$v.log")"
-      else
-        cat ".cache/matrix-$v.log"
-        failed+=("$v")
-      fi
-    done
+  for v in "${releases[@]}"; do
+    if [ "$(cat ".cache/matrix-$v.rc" 2>/dev/null)" = 0 ]; then
+      echo "   DeepSpeed $v: $(tail -1 ".cache/matrix-$v.log")"
+    else
+      cat ".cache/matrix-$v.log"
+      failed+=("$v")
+    fi
   done
   if [ ${#failed[@]} -gt 0 ]; then
     echo "release matrix failed on DeepSpeed ${failed[*]}"

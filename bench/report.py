@@ -422,8 +422,9 @@ def _summary_lora(result: Mapping[str, Any]) -> List[List[str]]:
             f"LoRA fine-tune step, {size}{ws} GPU{'' if ws == 1 else 's'}, checkpointing: {ckpt}",
             f"`{variant}` ({_LORA_WHAT[variant]}): {_num(metric_value(r, 'step_ms'), '{:.1f}')} ms,"
             f" {_num(r.get('peak_gib'), '{:.2f}')} GiB",
-            f"`{base}` ({_LORA_WHAT.get(base, '-')}): {_num(metric_value(ref, 'step_ms'), '{:.1f}')}"
-            f" ms, {_num(ref.get('peak_gib'), '{:.2f}')} GiB",
+            f"`{base}` ({_LORA_WHAT.get(base, '-')}): "
+            f"{_num(metric_value(ref, 'step_ms'), '{:.1f}')} ms, "
+            f"{_num(ref.get('peak_gib'), '{:.2f}')} GiB",
             f"{speedup:.2f}x faster" + (f", peak {peak:.2f}x" if isinstance(peak, (int, float))
                                         else ""),
             _measured(result, r, gpus=ws)])
@@ -444,9 +445,10 @@ def render_summary(results: Mapping[str, Mapping[str, Any]], tables: str = "docs
     rows = [row for n in names for row in _SUMMARIES.get(_family(n), lambda r: [])(results[n])]
     if not rows:
         return "No benchmark results yet: run `python -m bench all` on a GPU machine."
+    link = f"[{tables}]({tables})"
     return "\n".join(_table(["benchmark", "ds_z3native", "baseline (same run)", "result",
                               "measured"], rows)
-                      + ["", f"Every table, its setup and how it was measured: [{tables}]({tables})."])
+                      + ["", f"Every table, its setup and how it was measured: {link}."])
 
 
 def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
@@ -552,7 +554,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             text = path.read_text()
             here = replace_block(text, block, begin, end) != text
             stale = stale or here
-            print(f"{path}: {what} " + ("stale, run python -m bench.report" if here else "up to date"))
+            print(f"{path}: {what} "
+                  + ("stale, run python -m bench.report" if here else "up to date"))
         return 1 if stale else 0
     for path, block, begin, end, what in blocks:
         changed = update_readme(path, block, begin, end)

@@ -37,8 +37,8 @@ upstream_fixed = _ds_version() >= Version("0.19.3")
 DC = ["--deepspeed", str(DS_Z3_DEEPCOMPILE), "--torch-compile"]
 COMMON = ["--max-steps", "8", "--eval-steps", "4", "--grad-accum", "2", "--max-grad-norm", "0.5"]
 TRL = ["--trainer", "trl", "--max-steps", "4", "--eval-steps", "4"]
-# The runs docs/usage.md shows, as (launcher, arguments); the resumed one's checkpoint is that of the
-# run before it, under the script's default output directory.
+# The runs docs/usage.md shows, as (launcher, arguments); the resumed one's checkpoint is that of
+# the run before it, under the script's default output directory.
 SHOWN = {
     "hf-z3": ("accelerate", ["--deepspeed", str(DS_Z3), *COMMON]),
     "hf-dc": ("torchrun", [*DC, *COMMON, "--save-steps", "2"]),

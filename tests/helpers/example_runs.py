@@ -1,5 +1,5 @@
-"""Run ``examples/sft_lora.py`` the way the commands of docs/usage.md do (``torchrun`` or ``accelerate
-launch``, ``DS_Z3NATIVE`` in the environment) and read what it reports."""
+"""Run ``examples/sft_lora.py`` the way the commands of docs/usage.md do (``torchrun`` or
+``accelerate launch``, ``DS_Z3NATIVE`` in the environment) and read what it reports."""
 
 from __future__ import annotations
 

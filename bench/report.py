@@ -381,7 +381,9 @@ def _summary_native_micro(result: Mapping[str, Any]) -> List[List[str]]:
              f"{s.get('frozen', '?')} frozen)",
              f"{_num(metric_value(ours, 'step_ms'), '{:.2f}')} ms/step",
              f"{_num(metric_value(theirs, 'step_ms'), '{:.2f}')} ms/step (DeepSpeed's op)",
-             _num(ratio, "{:.2f}", "x the step time"), _measured(result, gpus=s.get("ranks"))]]
+             f"{1 / ratio:.2f}x faster ({ratio:.2f}x the step time)"
+             if isinstance(ratio, (int, float)) and ratio > 0 else "-",
+             _measured(result, gpus=s.get("ranks"))]]
 
 
 def _summary_lora(result: Mapping[str, Any]) -> List[List[str]]:

@@ -235,6 +235,7 @@ def test_report_keeps_the_committed_tables_and_summary() -> None:
     readme = (ROOT / "README.md").read_text()
     summary = readme[readme.index(report.SUMMARY_BEGIN):readme.index(report.SUMMARY_END)]
     assert "9.4x faster" in summary and "(docs/benchmarks.md)" in summary
+    assert "| 1.27x faster (0.79x the step time) |" in summary  # native_micro: 16.40 vs 20.80 ms
 
 
 def test_report_without_markers_fails_clearly(tmp_path: Path) -> None:

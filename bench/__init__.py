@@ -2,6 +2,7 @@
 
 Each benchmark is registered by name in ``bench.suite`` with a GPU command builder (what runs on
 the GPU host) and a ``--smoke`` CPU toy-size mode (what CI runs). Each writes one JSON file under
-``bench/results/``; ``python -m bench.report`` turns them into the README table and a plot.
+``bench/results/``; ``python -m bench.report`` turns them into the tables of
+docs/benchmarks.md, the README's summary table and a plot.
 This folder lives in the source checkout only: it is not installed with the package.
 """

@@ -723,7 +723,7 @@ def _comparable_setup(record: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 def bench_name(world_size: int) -> str:
     """The result's name: ``lora_llama`` on one GPU, ``lora_llama_ws<N>`` on N (one file and one
-    README table per world size)."""
+    table of docs/benchmarks.md per world size)."""
     return "lora_llama" if world_size <= 1 else f"lora_llama_ws{world_size}"
 
 
@@ -736,7 +736,7 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     """Combines per-variant records into ``{"bench": "lora_llama", "runs": {"<variant>@<deepspeed>":
     ...}}`` (``lora_llama_ws<N>`` for runs on N GPUs; existing runs in ``output`` are kept unless
     replaced, and a replaced run moves, with the ratios it had, to the file's ``replaced`` list:
-    the numbers a README cited stay in the JSON), and gives each run its ratios
+    the numbers the docs cited stay in the JSON), and gives each run its ratios
     to the ``upstream`` (eager, non-reentrant checkpointing) and ``none`` (eager, no
     checkpointing) runs of the newest DeepSpeed in the file: ``speedup`` = baseline step time /
     this step time, ``peak_ratio`` = this peak / baseline peak, ``baseline_ms`` and ``run``

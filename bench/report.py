@@ -1,15 +1,18 @@
-"""README table and plot from the benchmark results: ``python -m bench.report``.
+"""Benchmark tables and plot from the benchmark results: ``python -m bench.report``.
 
 Reads every ``bench/results/*.json`` (suite results, and ``bench/eager_lora.py merge`` output;
 smoke results are skipped unless ``--include-smoke``), then
 
-* rewrites the markdown between ``<!-- bench-table:begin -->`` and ``<!-- bench-table:end -->``
-  in README.md (nothing else in the file changes; running it twice changes nothing);
+* rewrites the full tables, one per benchmark with its footnote, between
+  ``<!-- bench-table:begin -->`` and ``<!-- bench-table:end -->`` in docs/benchmarks.md;
+* rewrites the summary table (per benchmark, ds_z3native's best variant against its baseline of
+  the same run) between ``<!-- bench-summary:begin -->`` and ``<!-- bench-summary:end -->`` in
+  README.md (nothing else in either file changes; running it twice changes nothing);
 * draws ``bench/results/summary.png``: step time and peak memory per variant, one row per
-  benchmark (needs matplotlib: ``pip install -e ".[bench]"``; without it the table is still
+  benchmark (needs matplotlib: ``pip install -e ".[bench]"``; without it the tables are still
   written and the message says so).
 
-``--check`` writes nothing and exits 1 when the README block is not what the results give.
+``--check`` writes nothing and exits 1 when either block is not what the results give.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -26,11 +31,16 @@ from bench.suite import (RESULTS_DIR, ROOT, add_ratios, metric_value, run_deepsp
 
 log = logging.getLogger("bench.report")
 
-__all__ = ["BEGIN", "END", "load_results", "render_block", "replace_block", "update_readme",
-           "plot_summary", "main"]
+__all__ = ["BEGIN", "END", "SUMMARY_BEGIN", "SUMMARY_END", "TABLES", "load_results",
+           "render_block", "render_summary", "replace_block", "update_readme", "plot_summary",
+           "main"]
 
+# The full tables (docs/benchmarks.md) and the summary (README.md) each live between markers.
 BEGIN = "<!-- bench-table:begin -->"
 END = "<!-- bench-table:end -->"
+SUMMARY_BEGIN = "<!-- bench-summary:begin -->"
+SUMMARY_END = "<!-- bench-summary:end -->"
+TABLES = ROOT / "docs" / "benchmarks.md"
 ORDER = ("deepcompile_first_step", "native_micro", "lora_llama", "lora_llama_ws2", "eager_lora")
 # Ratio baselines of results written without one (e.g. eager_lora.py's merge output).
 BASELINES: Dict[str, Tuple[Tuple[str, ...], bool]] = {
@@ -126,7 +136,8 @@ def _ratio(record: Mapping[str, Any], metric: str = "step_ms") -> Optional[float
     return (record.get("ratio") or {}).get(metric)
 
 
-def _first_step(result: Mapping[str, Any]) -> List[str]:
+def _first_step_rows(result: Mapping[str, Any]) -> List[List[str]]:
+    """``[DeepSpeed, ours, DeepSpeed's JIT op, ratio]`` per DeepSpeed version, newest first."""
     runs = result["runs"]
     by_ds: Dict[str, Dict[str, Mapping[str, Any]]] = {}
     for key, r in runs.items():
@@ -152,6 +163,11 @@ def _first_step(result: Mapping[str, Any]) -> List[str]:
         else:
             ratio = "-"
         rows.append([ds, cell(ours), cell(theirs), ratio])
+    return rows
+
+
+def _first_step(result: Mapping[str, Any]) -> List[str]:
+    rows = _first_step_rows(result)
     title = ("**Time from `engine.compile()` to the end of the first DeepCompile step** (ZeRO-3, "
              "a frozen\nLinear feeding a trainable one, fp32, fresh extension cache):")
     return [title, ""] + _table(["DeepSpeed", "ds_z3native (prebuilt op, `install()`)",
@@ -324,23 +340,133 @@ def render_block(results: Mapping[str, Mapping[str, Any]]) -> str:
             lines += ["", f"_{results[n]['note']}_"]
         sections.append("\n".join(lines))
     if not sections:
-        return "No benchmark results yet: run `python -m bench all` on the GPU host."
+        return "No benchmark results yet: run `python -m bench all` on a GPU machine."
     return "\n\n".join(sections)
 
 
-def replace_block(text: str, block: str) -> str:
+# --------------------------------------------------------------------------- summary
+
+_DATE = re.compile(r"\d{4}-\d\d-\d\d")
+
+
+def _measured(result: Mapping[str, Any], record: Optional[Mapping[str, Any]] = None,
+              gpus: Any = None) -> str:
+    """When and on what a summary row was measured: the run's date (its run label, else the
+    result file's), the GPU model and how many."""
+    date = _DATE.match(str((record or {}).get("run") or ""))
+    date = date or _DATE.match(str(result.get("created") or ""))
+    device = ((record or {}).get("setup") or {}).get("device") or (
+        result.get("setup") or {}).get("device") or (result.get("versions") or {}).get("device")
+    parts = [date.group(0)] if date else []
+    if device:
+        parts.append(f"{gpus} x {device}" if gpus else str(device))
+    return ", ".join(parts) or "-"
+
+
+def _summary_first_step(result: Mapping[str, Any]) -> List[List[str]]:
+    return [[f"DeepCompile, `engine.compile()` to the end of step 1, DeepSpeed {ds}",
+             ours, theirs + " (DeepSpeed's own op, JIT build)" if theirs != "-" else "-", ratio,
+             _measured(result, gpus=1)]
+            for ds, ours, theirs, ratio in _first_step_rows(result)]
+
+
+def _summary_native_micro(result: Mapping[str, Any]) -> List[List[str]]:
+    runs, base = result["runs"], result.get("baseline")
+    ours, theirs = runs.get("ours"), runs.get(str(base))
+    if not ours or not theirs or not run_ok(ours) or not run_ok(theirs):
+        return []
+    s = result.get("setup") or {}
+    ratio = _ratio(ours)
+    return [[f"Native reduce/gather microbenchmark ({s.get('params', '?')} params, "
+             f"{s.get('frozen', '?')} frozen)",
+             f"{_num(metric_value(ours, 'step_ms'), '{:.2f}')} ms/step",
+             f"{_num(metric_value(theirs, 'step_ms'), '{:.2f}')} ms/step (DeepSpeed's op)",
+             f"{1 / ratio:.2f}x faster ({ratio:.2f}x the step time)"
+             if isinstance(ratio, (int, float)) and ratio > 0 else "-",
+             _measured(result, gpus=s.get("ranks"))]]
+
+
+def _summary_lora(result: Mapping[str, Any]) -> List[List[str]]:
+    """Per baseline (``none``: no checkpointing, ``upstream``: checkpointing), the ds_z3native
+    variant with the highest speedup over that baseline's row of the same run."""
+    runs = result["runs"]
+    first = next((r for r in runs.values() if r.get("setup")), {})
+    s = result.get("setup") or first.get("setup") or {}
+    params = (s.get("model") or {}).get("params")
+    size = f"{params / 1e9:.2f} B Llama, " if isinstance(params, (int, float)) else ""
+    best: Dict[str, Tuple[float, str]] = {}
+    for key in _lora_keys(runs):
+        r = runs[key]
+        variant = run_variant(key, r)
+        if not run_ok(r) or "ds_z3native" not in _LORA_WHAT.get(variant, ""):
+            continue
+        ckpt = (r.get("setup") or {}).get("checkpointing")
+        base = "none" if ckpt == "none" else "upstream"
+        ref = (r.get("vs") or {}).get(base) or {}
+        speedup = ref.get("speedup")
+        if isinstance(speedup, (int, float)) and _own_row(base, r, runs) and (
+                base not in best or speedup > best[base][0]):
+            best[base] = (speedup, key)
+    rows = []
+    for base in ("upstream", "none"):
+        if base not in best:
+            continue
+        speedup, key = best[base]
+        r = runs[key]
+        variant = run_variant(key, r)
+        ref_key = next(k for k, x in runs.items()
+                       if run_variant(k, x) == base and x.get("run") == r.get("run"))
+        ref = runs[ref_key]
+        peak = ((r.get("vs") or {}).get(base) or {}).get("peak_ratio")
+        ckpt = (r.get("setup") or {}).get("checkpointing", "-")
+        ws = (r.get("setup") or {}).get("world_size") or s.get("world_size")
+        rows.append([
+            f"LoRA fine-tune step, {size}{ws} GPU{'' if ws == 1 else 's'}, checkpointing: {ckpt}",
+            f"`{variant}` ({_LORA_WHAT[variant]}): {_num(metric_value(r, 'step_ms'), '{:.1f}')} ms,"
+            f" {_num(r.get('peak_gib'), '{:.2f}')} GiB",
+            f"`{base}` ({_LORA_WHAT.get(base, '-')}): "
+            f"{_num(metric_value(ref, 'step_ms'), '{:.1f}')} ms, "
+            f"{_num(ref.get('peak_gib'), '{:.2f}')} GiB",
+            f"{speedup:.2f}x faster" + (f", peak {peak:.2f}x" if isinstance(peak, (int, float))
+                                        else ""),
+            _measured(result, r, gpus=ws)])
+    return rows
+
+
+_SUMMARIES: Dict[str, Callable[[Mapping[str, Any]], List[List[str]]]] = {
+    "deepcompile_first_step": _summary_first_step, "native_micro": _summary_native_micro,
+    "lora_llama": _summary_lora, "eager_lora": _summary_lora}
+
+
+def render_summary(results: Mapping[str, Mapping[str, Any]], tables: str = "docs/benchmarks.md"
+                   ) -> str:
+    """The README's summary (without the markers): a few headline rows, each ds_z3native's best
+    variant of a benchmark against its baseline measured in the same run; ``tables`` is the link
+    to the full tables."""
+    names = [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER)
+    rows = [row for n in names for row in _SUMMARIES.get(_family(n), lambda r: [])(results[n])]
+    if not rows:
+        return "No benchmark results yet: run `python -m bench all` on a GPU machine."
+    link = f"[{tables}]({tables})"
+    return "\n".join(_table(["benchmark", "ds_z3native", "baseline (same run)", "result",
+                              "measured"], rows)
+                      + ["", f"Every table, its setup and how it was measured: {link}."])
+
+
+def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
     """``text`` with the content between the markers replaced by ``block`` (one blank line on
     each side); ValueError when the markers are missing or out of order."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < 0 or end < start:
-        raise ValueError(f"README needs the markers {BEGIN} ... {END} (in this order)")
-    return text[:start + len(BEGIN)] + "\n\n" + block.strip("\n") + "\n\n" + text[end:]
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < 0 or stop < start:
+        raise ValueError(f"the file needs the markers {begin} ... {end} (in this order)")
+    return text[:start + len(begin)] + "\n\n" + block.strip("\n") + "\n\n" + text[stop:]
 
 
-def update_readme(readme: Path, block: str) -> bool:
-    """Rewrite ``readme``'s block; True when the file changed."""
+def update_readme(readme: Path, block: str, begin: str = BEGIN, end: str = END) -> bool:
+    """Rewrite the block between ``begin`` and ``end`` in ``readme`` (README.md or
+    docs/benchmarks.md); True when the file changed."""
     old = readme.read_text()
-    new = replace_block(old, block)
+    new = replace_block(old, block, begin, end)
     if new != old:
         readme.write_text(new)
     return new != old
@@ -405,27 +531,38 @@ def plot_summary(results: Mapping[str, Mapping[str, Any]], path: Path) -> Option
 # --------------------------------------------------------------------------- CLI
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m bench.report``: exit 0, or 1 when ``--check`` finds the README stale."""
+    """``python -m bench.report``: exit 0, or 1 when ``--check`` finds a block stale."""
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    p.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    p.add_argument("--readme", type=Path, default=ROOT / "README.md",
+                   help="the file whose summary block is rewritten (default README.md)")
+    p.add_argument("--tables", type=Path, default=TABLES,
+                   help="the file whose full-table block is rewritten (default docs/benchmarks.md)")
     p.add_argument("--plot", type=Path, default=None,
                    help="PNG to write (default <results-dir>/summary.png)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--include-smoke", action="store_true", help="also read smoke results")
     p.add_argument("--check", action="store_true",
-                   help="write nothing; exit 1 if the README block is stale")
+                   help="write nothing; exit 1 if a block is stale")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     results = load_results(args.results_dir, args.include_smoke)
-    block = render_block(results)
+    link = Path(os.path.relpath(args.tables.resolve(), args.readme.resolve().parent)).as_posix()
+    blocks = [(args.tables, render_block(results), BEGIN, END, "tables"),
+              (args.readme, render_summary(results, link), SUMMARY_BEGIN, SUMMARY_END, "summary")]
     if args.check:
-        stale = replace_block(args.readme.read_text(), block) != args.readme.read_text()
-        print(f"{args.readme}: " + ("stale, run python -m bench.report" if stale else "up to date"))
+        stale = False
+        for path, block, begin, end, what in blocks:
+            text = path.read_text()
+            here = replace_block(text, block, begin, end) != text
+            stale = stale or here
+            print(f"{path}: {what} "
+                  + ("stale, run python -m bench.report" if here else "up to date"))
         return 1 if stale else 0
-    changed = update_readme(args.readme, block)
-    print(f"{args.readme}: table block {'updated' if changed else 'unchanged'} "
-          f"({len(results)} result file(s))")
+    for path, block, begin, end, what in blocks:
+        changed = update_readme(path, block, begin, end)
+        print(f"{path}: {what} block {'updated' if changed else 'unchanged'} "
+              f"({len(results)} result file(s))")
     if not args.no_plot:
         out = plot_summary(results, args.plot or args.results_dir / "summary.png")
         print(f"plot: {out}" if out else "plot: not written (see the message above)")

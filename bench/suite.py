@@ -753,7 +753,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     """The suite's argument parser."""
     p = argparse.ArgumentParser(
         prog=prog, description="Run ds_z3native's benchmarks; each writes <output-dir>/<name>.json "
-        "(then `python -m bench.report` regenerates the README table and the plot).")
+        "(then `python -m bench.report` regenerates the tables of docs/benchmarks.md, the README's summary and the plot).")
     p.add_argument("name", help="a benchmark name, 'all', or 'list' (names and descriptions)")
     p.add_argument("--smoke", action="store_true",
                    help="toy size on CPU (gloo); what CI runs (default output: bench/results/smoke)")
@@ -779,7 +779,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                    help="lora_llama: profile two more steps of each variant after its timed ones "
                         "(torch.profiler; DIR/<deepspeed>/<variant>-rank<r>.json and -top.txt)")
     p.add_argument("--no-report", action="store_true",
-                   help="do not regenerate the README table and plot afterwards (a full run "
+                   help="do not regenerate the benchmark tables and plot afterwards (a full run "
                         "into bench/results does by default)")
     p.add_argument("-v", "--verbose", action="store_true", help="DEBUG logging")
     return p
@@ -839,6 +839,6 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
     if not ctx.smoke and not args.no_report and ctx.output_dir.resolve() == RESULTS_DIR.resolve():
         from bench import report
 
-        log.info("regenerating the README table and plot from %s", RESULTS_DIR)
+        log.info("regenerating the benchmark tables and plot from %s", RESULTS_DIR)
         code = report.main([]) or code
     return code

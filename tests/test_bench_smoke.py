@@ -1,6 +1,7 @@
 """The benchmark suite on CPU: the native microbenchmark's smoke run writes a complete result,
-the README block is regenerated from result JSON and idempotently, and both entry points
-(``python -m bench``, ``ds-z3native bench``) answer ``--help``.
+the full tables of docs/benchmarks.md and the README's summary are regenerated from result JSON
+and idempotently, and both entry points (``python -m bench``, ``ds-z3native bench``) answer
+``--help``.
 
 Timings are not asserted (CPU smoke numbers mean nothing); structure and counts are.
 """
@@ -143,16 +144,25 @@ def _fixture_results(d: Path) -> None:
     (d / "notes.json").write_text(json.dumps({"something": "else"}))
 
 
-def test_report_regenerates_the_readme_block_idempotently(tmp_path: Path) -> None:
+def test_report_regenerates_the_tables_and_the_summary_idempotently(tmp_path: Path) -> None:
     _fixture_results(tmp_path)
-    readme = tmp_path / "README.md"
-    head, tail = "# t\n\n## Benchmarks\n\nintro\n\n", "\n\nafter the table\n"
-    readme.write_text(f"{head}{report.BEGIN}\nstale\n{report.END}{tail}")
-    argv = ["--results-dir", str(tmp_path), "--readme", str(readme), "--no-plot"]
+    readme, tables = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md"
+    tables.parent.mkdir()
+    head, tail = "# t\n\n## Results\n\nintro\n\n", "\n\nafter the summary\n"
+    readme.write_text(f"{head}{report.SUMMARY_BEGIN}\nstale\n{report.SUMMARY_END}{tail}")
+    t_head, t_tail = "# Benchmarks\n\nmethod\n\n", "\n\nafter the tables\n"
+    tables.write_text(f"{t_head}{report.BEGIN}\nstale\n{report.END}{t_tail}")
+    argv = ["--results-dir", str(tmp_path), "--readme", str(readme), "--tables", str(tables),
+            "--no-plot"]
+    assert report.main(argv + ["--check"]) == 1  # both blocks stale
     assert report.main(argv) == 0
-    once = readme.read_text()
-    assert once.startswith(head + report.BEGIN) and once.endswith(report.END + tail)
-    assert "stale" not in once
+    once, summary = tables.read_text(), readme.read_text()
+    # Only what lies between the markers changes.
+    assert once.startswith(t_head + report.BEGIN) and once.endswith(report.END + t_tail)
+    assert summary.startswith(head + report.SUMMARY_BEGIN) and summary.endswith(
+        report.SUMMARY_END + tail)
+    assert "stale" not in once and "stale" not in summary
+    # The full tables.
     assert "| 0.19.8 | 5.00 s (4.50–5.50) | 50.00 s (49.00–51.00) | 10.0x faster |" in once
     assert "| 0.19.2 | 5.40 s | fails: `KeyError: 0` at `engine.compile()` | works vs fails |" in once
     lines = once.splitlines()
@@ -162,24 +172,78 @@ def test_report_regenerates_the_readme_block_idempotently(tmp_path: Path) -> Non
     assert "15.2%" in ours
     assert any(ln.startswith("| upstream | eager ZeRO-3, DeepSpeed's own | - | 0.19.2 | fails: `CheckpointError: x`")
                for ln in lines)
-    assert "Native reduce/gather" not in once  # smoke results are not README material
+    assert "Native reduce/gather" not in once  # smoke results are not tabled
+    # The summary: the first-step rows, and a link to the tables relative to the README.
+    rows = [ln for ln in summary.splitlines() if ln.startswith("| DeepCompile")]
+    assert len(rows) == 2 and "| 5.00 s (4.50–5.50) | 50.00 s (49.00–51.00)" in rows[0]
+    assert rows[0].endswith("| 10.0x faster | - |")  # the fixture names no date or device
+    assert "works vs fails" in rows[1]
+    assert "[docs/benchmarks.md](docs/benchmarks.md)" in summary
+    # Idempotent, and --check agrees.
     assert report.main(argv) == 0
-    assert readme.read_text() == once
+    assert tables.read_text() == once and readme.read_text() == summary
     assert report.main(argv + ["--check"]) == 0
 
 
-def test_report_keeps_the_committed_first_step_table() -> None:
+def test_summary_takes_each_baselines_best_variant_of_the_same_run(tmp_path: Path) -> None:
+    from bench.lora_llama import merge
+
+    def record(variant: str, median: float, peak: float, run: str, ckpt: str) -> Path:
+        path = tmp_path / f"{variant}-{run}.json"
+        path.write_text(json.dumps({
+            "variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": peak, "run": run,
+            "step_ms": {"median": median, "min": median, "max": median},
+            "setup": {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4,
+                      "device": "NVIDIA H200", "checkpointing": ckpt,
+                      "model": {"params": 963_315_712, "lora_r": 16}}}))
+        return path
+
+    results = tmp_path / "results"
+    out = results / "lora_llama.json"
+    ck, no = "non-reentrant", "none"
+    # An older run whose dc-ckpt was faster against its own baseline: replaced below, not shown.
+    merge([record("upstream", 1000.0, 4.0, "2026-01-01T00:00:00+00:00", ck),
+           record("dc-ckpt", 50.0, 4.0, "2026-01-01T00:00:00+00:00", ck)], out)
+    merge([record("upstream", 900.0, 4.0, "2026-02-02T00:00:00+00:00", ck),
+           record("ours", 800.0, 4.0, "2026-02-02T00:00:00+00:00", ck),
+           record("dc-ckpt", 100.0, 4.4, "2026-02-02T00:00:00+00:00", ck),
+           record("none", 600.0, 8.0, "2026-02-02T00:00:00+00:00", no),
+           record("plain", 50.0, 10.0, "2026-02-02T00:00:00+00:00", no),  # not ds_z3native
+           record("dc", 200.0, 6.0, "2026-02-02T00:00:00+00:00", no),
+           # faster, but its run has no `none` of its own: no same-run ratio
+           record("dc-upstream", 100.0, 6.0, "2026-03-03T00:00:00+00:00", no)], out)
+    summary = report.render_summary(report.load_results(results))
+    rows = [ln for ln in summary.splitlines() if ln.startswith("| LoRA")]
+    assert len(rows) == 2, summary
+    ckpt_row, plain_row = rows
+    assert "checkpointing: non-reentrant" in ckpt_row and "`dc-ckpt`" in ckpt_row
+    assert "100.0 ms, 4.40 GiB" in ckpt_row and "`upstream`" in ckpt_row and "900.0 ms" in ckpt_row
+    assert "| 9.00x faster, peak 1.10x | 2026-02-02, 1 x NVIDIA H200 |" in ckpt_row
+    assert "checkpointing: none" in plain_row and "`dc`" in plain_row and "`plain`" not in plain_row
+    assert "3.00x faster, peak 0.75x" in plain_row and "0.96 B Llama, 1 GPU," in plain_row
+
+
+def test_report_keeps_the_committed_tables_and_summary() -> None:
     results = report.load_results(ROOT / "bench" / "results")
     block = report.render_block({"deepcompile_first_step": results["deepcompile_first_step"]})
-    text = (ROOT / "README.md").read_text()
+    text = report.TABLES.read_text()
     start = text.index(report.BEGIN) + len(report.BEGIN)
     assert block in text[start:text.index(report.END)]
     assert "| 0.19.8 | 5.29 s | 49.99 s | 9.4x faster |" in block
+    # The committed README and docs/benchmarks.md are what the committed results give.
+    assert report.main(["--check", "--no-plot"]) == 0
+    readme = (ROOT / "README.md").read_text()
+    summary = readme[readme.index(report.SUMMARY_BEGIN):readme.index(report.SUMMARY_END)]
+    assert "9.4x faster" in summary and "(docs/benchmarks.md)" in summary
+    assert "| 1.27x faster (0.79x the step time) |" in summary  # native_micro: 16.40 vs 20.80 ms
 
 
 def test_report_without_markers_fails_clearly(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="bench-table:begin"):
         report.replace_block("no markers here\n", "x")
+    with pytest.raises(ValueError, match="bench-summary:begin"):
+        report.replace_block(f"{report.BEGIN}\n{report.END}\n", "x", report.SUMMARY_BEGIN,
+                             report.SUMMARY_END)
 
 
 def test_plot_or_a_clear_message(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -329,7 +393,7 @@ def test_lora_merge_keeps_one_setup_per_file(tmp_path: Path) -> None:
         merge([record("dc-ckpt", 2, 160.0)], out)
     assert json.loads(out.read_text())["runs"]["dc-ckpt@0.19.8"]["step_ms"]["median"] == 150.0
     # The same setup re-run replaces its run; the replaced run, with the ratios it had, moves to
-    # "replaced" (numbers a README cites stay in the committed JSON).
+    # "replaced" (numbers the docs cite stay in the committed JSON).
     merged = merge([record("dc-ckpt", 1, 120.0)], out)
     assert merged["runs"]["dc-ckpt@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(10.0)
     (old,) = merged["replaced"]

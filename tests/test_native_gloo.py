@@ -1,9 +1,9 @@
 """The native op on real gloo ranks (world sizes 2 and 3), compared with torch.distributed.
 
 One spawn per world size runs every scenario (helpers/native_scenarios.py) and the tests below
-assert on what each rank saw. This file is also the evidence for hardening.md H12 (the whole op
-runs on CPU: gathers, padded reduce-scatter with averaging, buckets, release, prefetch,
-persistence, ZeRO-1/2) and for H5 (odd sizes, see test_native_hardening.py).
+assert on what each rank saw. This file is also the evidence for docs/design.md's hardening row
+H12 (the whole op runs on CPU: gathers, padded reduce-scatter with averaging, buckets, release,
+prefetch, persistence, ZeRO-1/2) and for H5 (odd sizes, see test_native_hardening.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Every row of hardening.md as behaviour: each test fails on DeepSpeed 0.19.x's weak behaviour.
+"""Every H row of the hardening table in docs/design.md as behaviour: each test fails on DeepSpeed
+0.19.x's weak behaviour.
 
 H8 (NCCL return codes) needs NCCL: tests/gpu/test_nccl_native.py. H12 (the whole op on CPU) is
 shown by tests/test_native_gloo.py, which runs gathers, padded reduce-scatter with averaging,

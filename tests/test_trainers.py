@@ -1,5 +1,5 @@
 """HF Trainer and TRL's SFTTrainer driving DeepSpeed ZeRO-3 + PEFT LoRA + non-reentrant
-checkpointing, through ``examples/sft_lora.py`` launched as its README commands launch it
+checkpointing, through ``examples/sft_lora.py`` launched as the commands of docs/usage.md launch it
 (``DS_Z3NATIVE=1 torchrun ...`` / ``accelerate launch ...``), on 2 gloo ranks on the CPU.
 
 Every run is compared with the same script at ZeRO stage 0 (the unsharded reference, same
@@ -20,7 +20,7 @@ from packaging.version import Version
 
 from helpers.dc_runner import needs_cpu_deepcompile
 from helpers.example_runs import (DS_Z3, DS_Z3_DEEPCOMPILE, assert_same_training, load_example,
-                                  losses_by_step, readme_commands, run_example, shown_command,
+                                  losses_by_step, run_example, shown_command, shown_commands,
                                   zero0_config)
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -37,8 +37,8 @@ upstream_fixed = _ds_version() >= Version("0.19.3")
 DC = ["--deepspeed", str(DS_Z3_DEEPCOMPILE), "--torch-compile"]
 COMMON = ["--max-steps", "8", "--eval-steps", "4", "--grad-accum", "2", "--max-grad-norm", "0.5"]
 TRL = ["--trainer", "trl", "--max-steps", "4", "--eval-steps", "4"]
-# The runs README.md shows, as (launcher, arguments); the resumed one's checkpoint is that of the
-# run before it, under the script's default output directory.
+# The runs docs/usage.md shows, as (launcher, arguments); the resumed one's checkpoint is that of
+# the run before it, under the script's default output directory.
 SHOWN = {
     "hf-z3": ("accelerate", ["--deepspeed", str(DS_Z3), *COMMON]),
     "hf-dc": ("torchrun", [*DC, *COMMON, "--save-steps", "2"]),
@@ -140,5 +140,5 @@ def _log(out: Path, name: str) -> str:
     return (out / f"{name}.log").read_text()
 
 
-def test_readme_shows_the_commands_these_tests_run() -> None:
-    assert readme_commands() == [shown_command(args, launcher) for launcher, args in SHOWN.values()]
+def test_usage_doc_shows_the_commands_these_tests_run() -> None:
+    assert shown_commands() == [shown_command(args, launcher) for launcher, args in SHOWN.values()]

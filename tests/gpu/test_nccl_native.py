@@ -1,6 +1,6 @@
 """The CUDA/NCCL backend: the same gather/reduce cases through NCCL equal the CPU (gloo) results,
-computed in the same process; hardening.md H8 (NCCL failures name the call and the ds_id);
-build_info of a CUDA build.
+computed in the same process; docs/design.md's hardening row H8 (NCCL failures name the call and
+the ds_id); build_info of a CUDA build.
 
 Marked ``gpu`` (tests/conftest.py skips it without CUDA). Nothing here touches CUDA at import
 time: the ranks are spawned processes (helpers.dist.run_ranks) that pick their device first.

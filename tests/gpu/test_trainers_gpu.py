@@ -1,5 +1,5 @@
 """HF Trainer + DeepSpeed ZeRO-3 + PEFT LoRA + non-reentrant checkpointing on CUDA, through
-``examples/sft_lora.py`` as its README commands launch it (``DS_Z3NATIVE=1 torchrun``, one rank
+``examples/sft_lora.py`` as the commands of docs/usage.md launch it (``DS_Z3NATIVE=1 torchrun``, one rank
 per GPU): DeepCompile (``accelerate`` calls ``engine.compile()``) with evaluation, gradient
 accumulation and clipping, resumed before and after DeepCompile's re-plan, and eager ZeRO-3; each
 against the same script at ZeRO stage 0. DeepCompile on DeepSpeed 0.19.0 - 0.19.2 runs only on

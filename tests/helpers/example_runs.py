@@ -1,5 +1,5 @@
-"""Run ``examples/sft_lora.py`` the way its README commands do (``torchrun`` or ``accelerate
-launch``, ``DS_Z3NATIVE`` in the environment) and read what it reports."""
+"""Run ``examples/sft_lora.py`` the way the commands of docs/usage.md do (``torchrun`` or
+``accelerate launch``, ``DS_Z3NATIVE`` in the environment) and read what it reports."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from helpers.dc_runner import child_env
 
 __all__ = ["ROOT", "EXAMPLE", "DS_Z3", "DS_Z3_DEEPCOMPILE", "ACCELERATE_CONFIG", "run_example",
            "zero0_config", "adapter_tensors", "losses_by_step", "assert_same_training", "load_example",
-           "shown_command", "readme_commands"]
+           "shown_command", "shown_commands"]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sft_lora.py"
@@ -64,7 +64,7 @@ def run_example(out: Path, name: str, args: Sequence[str], ds_z3native: Optional
 
 def shown_command(args: Sequence[str], launcher: str = "torchrun", nproc: int = 2) -> str:
     """The command line a user types for a run of the example with ``args`` (paths relative to
-    the repository), as the README shows it."""
+    the repository), as docs/usage.md shows it."""
     if launcher == "accelerate":
         start = f"accelerate launch --config_file {ACCELERATE_CONFIG.relative_to(ROOT)}"
     else:
@@ -73,9 +73,12 @@ def shown_command(args: Sequence[str], launcher: str = "torchrun", nproc: int = 
     return " ".join(["DS_Z3NATIVE=1", start, str(EXAMPLE.relative_to(ROOT)), *shown])
 
 
-def readme_commands() -> List[str]:
-    """The example commands in README.md (its lines that run examples/sft_lora.py)."""
-    text = (ROOT / "README.md").read_text()
+USAGE_DOC = ROOT / "docs" / "usage.md"
+
+
+def shown_commands() -> List[str]:
+    """The example commands docs/usage.md shows (its lines that run examples/sft_lora.py)."""
+    text = USAGE_DOC.read_text()
     return [line.strip() for line in text.splitlines()
             if line.startswith("DS_Z3NATIVE=1 ") and str(EXAMPLE.relative_to(ROOT)) in line]
 

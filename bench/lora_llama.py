@@ -303,6 +303,7 @@ class _StepClock:
         # Host time per timed step inside the engine's forward / backward / step and in
         # Python's garbage collector (see watch()), and the collections by generation.
         self._current: Dict[str, float] = {}
+        self._timed = False  # whether the step running now is a timed one
         self.host: Dict[str, List[float]] = {}
         self.gc_collections = [0, 0, 0]
         self._gc_start = 0.0
@@ -332,7 +333,7 @@ class _StepClock:
                 self._gc_start = time.perf_counter()
                 return
             self._add("gc", time.perf_counter() - self._gc_start)
-            if self._current.get("timed"):
+            if self._timed:
                 self.gc_collections[info.get("generation", 0)] += 1
 
         gc.callbacks.append(collected)
@@ -359,7 +360,8 @@ class _StepClock:
         self.compiled_before = compile_seconds() if self.deepcompile else {}
 
     def ready(self, i: int) -> None:
-        self._current = {"timed": float(i >= self.first_timed)}
+        self._current = {}
+        self._timed = i >= self.first_timed
         if i != self.first_timed:
             return
         if self.on_gpu:

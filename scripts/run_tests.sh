@@ -145,17 +145,7 @@ if [ "${DSZ_NEWEST_TORCH:-torch}" != off ]; then
   # --system-site-packages shows the base interpreter's packages only: run from a virtualenv, this
   # environment's packages (DeepSpeed, transformers, pytest...) live in its own site-packages, so
   # a .pth adds those after the venv's own (its torch first).
-  python - "$venv/bin/python" <<'PY'
-import pathlib, subprocess, sys, sysconfig
-if sys.prefix != sys.base_prefix:
-    paths = sysconfig.get_paths()
-    own = [d for d in dict.fromkeys((paths["purelib"], paths["platlib"])) if pathlib.Path(d).is_dir()]
-    target = subprocess.run([sys.argv[1], "-c", "import site; print(site.getsitepackages()[0])"],
-                            capture_output=True, text=True, check=True).stdout.strip()
-    pathlib.Path(target, "00-outer-environment.pth").write_text(
-        "".join(f"import site; site.addsitedir({d!r})\n" for d in own))
-    print(f"   (run from the virtualenv {sys.prefix}: its packages added to the newest-torch venv)")
-PY
+  python tests/helpers/venv_site.py "$venv/bin/python"
   "$venv/bin/python" -m pip install -q --upgrade "${DSZ_NEWEST_TORCH:-torch}"
   rm -rf "$venv/src" && mkdir -p "$venv/src"
   git ls-files -z | xargs -0 tar cf - | tar xf - -C "$venv/src"

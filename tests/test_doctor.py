@@ -13,12 +13,13 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
+
+from helpers.venv_site import see_outer_site, venv_site
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240
@@ -38,13 +39,6 @@ def _show(r: subprocess.CompletedProcess) -> str:
     return f"exit {r.returncode}\n--- stdout\n{r.stdout[-6000:]}\n--- stderr\n{r.stderr[-3000:]}"
 
 
-def _own_site_dirs() -> List[str]:
-    """The site-packages of the environment this interpreter runs in (a virtualenv's own, a
-    conda env's, or the system's), where pip put torch, DeepSpeed and ds_z3native."""
-    paths = sysconfig.get_paths()
-    return list(dict.fromkeys(p for p in (paths["purelib"], paths["platlib"]) if os.path.isdir(p)))
-
-
 @pytest.fixture(scope="module")
 def venv_python(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A venv that sees this interpreter's packages, whose own site-packages holds the start-up
@@ -60,17 +54,10 @@ def venv_python(tmp_path_factory: pytest.TempPathFactory) -> str:
                         str(root)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, _show(r)
     python = str(root / "bin" / "python")
-    r = subprocess.run([python, "-c", "import json, site, sys; "
-                        "print(json.dumps([site.getsitepackages(), sys.path]))"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, _show(r)
-    site_dirs, seen = json.loads(r.stdout)
-    site_dir = site_dirs[0]
-    missing = [d for d in _own_site_dirs() if d not in seen]
     # .pth files run in name order: the path entries first, as pip's editable install does.
-    Path(site_dir, "00-ds_z3native-path.pth").write_text(
-        "".join(f"import site; site.addsitedir({d!r})\n" for d in missing)
-        + os.path.dirname(ds_z3native_autoload.__file__) + "\n")
+    see_outer_site(python, "00-ds_z3native-path.pth",
+                   [os.path.dirname(ds_z3native_autoload.__file__)])
+    site_dir, _ = venv_site(python)
     ds_z3native_autoload.write_pth(site_dir)
     r = subprocess.run([python, "-c", "import torch, deepspeed, ds_z3native"], cwd=ROOT,
                        env=_env(), capture_output=True, text=True, timeout=TIMEOUT)

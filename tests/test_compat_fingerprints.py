@@ -177,9 +177,11 @@ def test_check_statuses(toy_package: Path) -> None:
 
     assert status(_table(target, "1.0.0", fp)) is Status.MATCHES
     assert status(_table(target, "1.0.0", other)) is Status.CHANGED
-    assert status(_table(target, "0.9.0", fp), "0.8.0") is Status.UNKNOWN
-    assert status(_table(target, "0.9.0", fp), "1.0.0") is Status.MATCHES_NEWEST
+    assert status(_table(target, "0.9.0", fp), "1.0.0") is Status.MATCHES_RECORDED
     assert status(_table(target, "0.9.0", other), "1.0.0") is Status.UNKNOWN
+    two = {"dszfp_toy": {"0.8.0": {target: fp}, "0.9.0": {target: other}}}
+    check = check_targets("toy-patch", [target], two, {"dszfp_toy": "1.0.0"})[0]
+    assert check.status is Status.MATCHES_RECORDED and check.verdict == "matches 0.8.0", check
     check = check_targets("toy-patch", [target], _table(target, "1.0.0", other), versions)[0]
     assert not check.strict and check.verdict == "unverified"  # only DeepSpeed's are strict
 
@@ -188,6 +190,13 @@ def test_check_statuses(toy_package: Path) -> None:
     module.Engine.step = lambda self, loss, retain=False: loss
     check = check_targets("toy-patch", [target], _table(target, "1.0.0", fp), versions)[0]
     assert check.status is Status.REPLACED and "replaced by" in check.found, check
+
+
+def test_a_target_in_a_package_that_is_not_installed_is_no_warning() -> None:
+    """transformers for a user without it: the patch never edits it, so nothing to report."""
+    check = check_targets("toy-patch", ["dszfp_absent.mod:f"], {}, {"dszfp_absent": None})[0]
+    assert check.status is Status.NOT_INSTALLED and check.status.ok, check
+    assert fingerprints.package_version("dszfp_absent_package") is None
 
 
 # ---- install() ------------------------------------------------------------------------------

@@ -14,6 +14,10 @@ never from bytecode (so it is the same under every Python):
 * a target the release does not have: ``missing`` (patches guard such targets with ``hasattr``;
   the absence is what was tested).
 
+The table also records each target file's SHA-256 and the lines of its function targets: where
+the running file's digest is the recorded one, its targets are known without parsing it (a read
+and a hash per file at ``install()``).
+
 :data:`TABLE_PATH` (``fingerprints.json`` beside this module) records the fingerprint of every
 target per tested release of its package. ``python -m ds_z3native.compat.fingerprints --write``
 records the importable DeepSpeed's (and torch's and transformers') into it; run it once per
@@ -28,10 +32,10 @@ that DeepSpeed's own decorators, torch or ds_z3native put around a function are 
 
 DeepSpeed targets are strict: ``install()`` refuses a patch whose DeepSpeed target does not match
 the running release's record (:class:`~ds_z3native.installer.UnverifiedPatchTarget`), unless
-``DS_Z3NATIVE_UNVERIFIED_PATCHES`` names the patch (or is ``all``). For a DeepSpeed newer than
-every recorded release, a target matches when it equals the newest record. Targets in other
-packages (torch, transformers) vary with the versions users run: one that does not match a record
-of its running version is *unverified*, a warning and a doctor line, never a refusal.
+``DS_Z3NATIVE_UNVERIFIED_PATCHES`` names the patch (or is ``all``). For a release without a
+record (a newer DeepSpeed), a target matches where its code equals a tested release's. Targets in
+other packages (torch, transformers) vary with the versions users run: one that matches no
+record is *unverified*, a warning and a doctor line, never a refusal.
 """
 
 from __future__ import annotations
@@ -53,9 +57,10 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 from packaging.version import InvalidVersion, Version
 
-__all__ = ["TABLE_PATH", "STRICT_PACKAGES", "UNVERIFIED_ENV", "Fingerprint", "Status",
-           "TargetCheck", "split_target", "target_package", "source_fingerprint",
-           "live_replacement", "package_version", "load_table", "check_targets",
+__all__ = ["TABLE_PATH", "STRICT_PACKAGES", "UNVERIFIED_ENV", "Fingerprint", "FileRecord",
+           "Status", "TargetCheck", "split_target", "target_package", "source_fingerprint",
+           "file_digest", "live_replacement", "package_version", "load_table", "load_files",
+           "check_targets",
            "check_patches", "allowed_unverified", "record", "main"]
 
 log = logging.getLogger(__name__)
@@ -105,14 +110,15 @@ class Status(str, enum.Enum):
     """How a target compares with the table."""
 
     MATCHES = "matches"  # equals the record of the running release
-    MATCHES_NEWEST = "matches-newest"  # untested newer release: equals the newest record
+    MATCHES_RECORDED = "matches-recorded"  # an unrecorded release: equals a tested release's
     CHANGED = "changed"  # the release is recorded, the code differs
     UNKNOWN = "unknown"  # no record of the running release (and not the newest one's code)
     REPLACED = "replaced"  # the live object is not the one its source defines
+    NOT_INSTALLED = "not-installed"  # its package is absent: the patch never reaches it
 
     @property
     def ok(self) -> bool:
-        return self in (Status.MATCHES, Status.MATCHES_NEWEST)
+        return self in (Status.MATCHES, Status.MATCHES_RECORDED, Status.NOT_INSTALLED)
 
 
 @dataclass(frozen=True)
@@ -139,12 +145,14 @@ class TargetCheck:
 
     @property
     def verdict(self) -> str:
-        """``matches``, ``matches <newest>`` for an untested newer release, ``REFUSED`` (strict)
-        or ``unverified``: the column doctor prints."""
+        """``matches``, ``matches <version>`` for an unrecorded release whose code is a tested
+        release's, ``REFUSED`` (strict) or ``unverified``: the column doctor prints."""
         if self.status is Status.MATCHES:
             return "matches"
-        if self.status is Status.MATCHES_NEWEST:
+        if self.status is Status.MATCHES_RECORDED:
             return f"matches {self.recorded}"
+        if self.status is Status.NOT_INSTALLED:
+            return "not installed"
         return "REFUSED" if self.strict else "unverified"
 
     def explain(self) -> str:
@@ -211,6 +219,43 @@ def _parse(path: str, mtime_ns: int, size: int) -> Tuple[ast.Module, Tuple[str, 
 def _parsed(path: Path) -> Tuple[ast.Module, Tuple[str, ...]]:
     stat = path.stat()
     return _parse(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: str, mtime_ns: int, size: int) -> str:
+    text = Path(path).read_text(encoding="utf-8").replace("\r\n", "\n")
+    return _sha256(text)
+
+
+def file_digest(module: str) -> Optional[str]:
+    """SHA-256 of ``module``'s source file (as :func:`source_fingerprint` reads it), or None.
+    Where it equals the digest recorded for a release, every target in that file has the
+    recorded fingerprint, and the file is not parsed."""
+    path = _module_file(module)
+    if path is None or path.suffix != ".py":
+        return None
+    stat = path.stat()
+    return _file_digest(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+def _definition(target: str) -> Tuple[Fingerprint, Optional[Tuple[int, int]]]:
+    """(fingerprint, (first line, last line) of the definition when it is a function) of
+    ``target`` as its source file defines it."""
+    module, qualname = split_target(target)
+    path = _module_file(module)
+    if path is None or path.suffix != ".py":
+        return MISSING, None
+    tree, lines = _parsed(path)
+    node, assigned = _locate(tree, qualname)
+    if node is not None:
+        fp = Fingerprint(_signature(node), _sha256(_text(lines, node)))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            return fp, (start, int(node.end_lineno or node.lineno))
+        return fp, None
+    if assigned:
+        return Fingerprint("attribute", _sha256("\n".join(_text(lines, n) for n in assigned))), None
+    return MISSING, None
 
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -291,17 +336,7 @@ def _sha256(text: str) -> str:
 def source_fingerprint(target: str) -> Fingerprint:
     """The fingerprint of ``target`` as its package's source file defines it (nothing is
     imported); :data:`MISSING` where the module or the name is not there."""
-    module, qualname = split_target(target)
-    path = _module_file(module)
-    if path is None or path.suffix != ".py":
-        return MISSING
-    tree, lines = _parsed(path)
-    node, assigned = _locate(tree, qualname)
-    if node is not None:
-        return Fingerprint(_signature(node), _sha256(_text(lines, node)))
-    if assigned:
-        return Fingerprint("attribute", _sha256("\n".join(_text(lines, n) for n in assigned)))
-    return MISSING
+    return _definition(target)[0]
 
 
 # ---- the live object ---------------------------------------------------------------------------
@@ -382,16 +417,18 @@ def _candidates(obj: Any, trusted: Tuple[str, ...], depth: int = 0) -> Iterator[
                 yield from _candidates(value, trusted, depth + 1)
 
 
-def live_replacement(target: str) -> Optional[str]:
+def live_replacement(target: str, known: Optional[Tuple[Fingerprint, Optional[Tuple[int, int]]]]
+                     = None) -> Optional[str]:
     """Where the target's module is imported: None if the live object is the one its source
     defines (or a decoration of it), else a description of what is there instead. None as well
     for a module not imported yet and for attributes that are not functions (only their source
-    is compared)."""
+    is compared). ``known``: the target's (fingerprint, function lines) when already known
+    (from a recorded file digest), so that the file is not parsed."""
     module_name, qualname = split_target(target)
     live = _live_object(target)
     if live is None:
         return None
-    expected = source_fingerprint(target)
+    expected, lines = _definition(target) if known is None else known
     if expected.signature == "attribute":  # a value or an instance attribute: source only
         return None
     if live is _ABSENT:
@@ -399,20 +436,16 @@ def live_replacement(target: str) -> Optional[str]:
     if _defined_at(live) is None and not hasattr(_function(live), "__wrapped__"):
         return None  # a value, not a function: its source is what is compared
     path = _module_file(module_name)
-    if path is None:
+    if path is None or lines is None:
         return None
-    tree, _ = _parsed(path)
-    node, _ = _locate(tree, qualname)
-    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return None
-    start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    start, end = lines
+    name = qualname.rsplit(".", 1)[-1]
     own_file = os.path.realpath(str(path))
     trusted = _package_dirs(module_name.split(".", 1)[0])
     for candidate in _candidates(live, trusted):
         where = _defined_at(candidate)
         if (where is not None and os.path.realpath(where[0]) == own_file
-                and start <= where[1] <= node.end_lineno
-                and where[2].rsplit(".", 1)[-1] == node.name):
+                and start <= where[1] <= end and where[2].rsplit(".", 1)[-1] == name):
             return None
     where = _defined_at(live)
     if where is None:
@@ -433,7 +466,10 @@ def package_version(package: str) -> Optional[str]:
     if raw is None and package == "deepspeed":
         from . import deepspeed_version
 
-        return str(Version(deepspeed_version().base_version))
+        try:
+            return str(Version(deepspeed_version().base_version))
+        except ImportError:
+            return None
     if raw is None:
         from importlib.metadata import PackageNotFoundError, version
 
@@ -463,32 +499,90 @@ def load_table(path: Optional[Path] = None) -> Dict[str, Dict[str, Dict[str, Fin
             for package, versions in raw["packages"].items()}
 
 
-def _newest(versions: Iterable[str]) -> Optional[str]:
-    parsed = []
-    for v in versions:
-        try:
-            parsed.append((Version(v), v))
-        except InvalidVersion:
-            continue
-    return max(parsed)[1] if parsed else None
+@dataclass(frozen=True)
+class FileRecord:
+    """A recorded source file: its digest, and the lines of each function target in it."""
+
+    sha256: str
+    functions: Dict[str, Tuple[int, int]]
+
+
+def load_files(path: Optional[Path] = None) -> Dict[str, Dict[str, Dict[str, FileRecord]]]:
+    """package -> version -> module -> :class:`FileRecord`, from ``path`` (default
+    :data:`TABLE_PATH`; empty if there is none)."""
+    path = TABLE_PATH if path is None else path
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {package: {version: {module: FileRecord(str(rec["sha256"]),
+                                                   {q: (int(a), int(b)) for q, (a, b)
+                                                    in rec.get("functions", {}).items()})
+                                for module, rec in modules.items()}
+                      for version, modules in versions.items()}
+            for package, versions in raw.get("files", {}).items()}
+
+
+def _is_version(text: str) -> bool:
+    try:
+        Version(text)
+    except InvalidVersion:
+        return False
+    return True
+
+
+def _recorded_code(target: str, recorded: Dict[str, Fingerprint], files: Dict[str, FileRecord]
+                   ) -> Optional[Tuple[Fingerprint, Optional[Tuple[int, int]]]]:
+    """``target``'s (fingerprint, function lines) from a release's record, when the running
+    file's digest is the one recorded for it (then its code is that record's, unparsed)."""
+    module, qualname = split_target(target)
+    record = files.get(module)
+    if record is not None and target in recorded and file_digest(module) == record.sha256:
+        return recorded[target], record.functions.get(qualname)
+    return None
 
 
 def check_targets(patch: str, targets: Iterable[str],
                   table: Optional[Dict[str, Dict[str, Dict[str, Fingerprint]]]] = None,
-                  versions: Optional[Dict[str, Optional[str]]] = None) -> List[TargetCheck]:
+                  versions: Optional[Dict[str, Optional[str]]] = None,
+                  files: Optional[Dict[str, Dict[str, Dict[str, FileRecord]]]] = None
+                  ) -> List[TargetCheck]:
     """Compare each of ``patch``'s ``targets`` with ``table`` (default: :func:`load_table`) for
-    the running version of its package (``versions`` overrides, by package)."""
-    table = load_table() if table is None else table
+    the running version of its package (``versions`` overrides, by package). A version without
+    a record matches where the code equals the record of a tested release (the newest such).
+    ``files`` (default: :func:`load_files` with the default table, else none) lets a file whose
+    digest is recorded skip parsing."""
+    if table is None:
+        table = load_table()
+        files = load_files() if files is None else files
+    files = files or {}
     versions = dict(versions or {})
     checks = []
     for target in targets:
         package = target_package(target)
         if package not in versions:
             versions[package] = package_version(package)
-        version = versions[package] or "not installed"
-        found = source_fingerprint(target)
-        replaced = live_replacement(target)
+        if versions[package] is None:
+            # A package that is not installed (transformers for a user without it): nothing of
+            # it is imported, so the patch's edit of it never happens.
+            checks.append(TargetCheck(patch, target, package, "not installed",
+                                      Status.NOT_INSTALLED, "", ""))
+            continue
+        version = str(versions[package])
         recorded_by_version = table.get(package, {})
+        if version in recorded_by_version:
+            candidates = [version]
+        else:
+            candidates = sorted((v for v in recorded_by_version if _is_version(v)), key=Version,
+                                reverse=True)
+        known = None
+        for candidate in candidates:
+            known = _recorded_code(target, recorded_by_version[candidate],
+                                   files.get(package, {}).get(candidate, {}))
+            if known is not None:
+                break
+        known = _definition(target) if known is None else known
+        found = known[0]
+        replaced = live_replacement(target, known)
         if replaced is not None:
             checks.append(TargetCheck(patch, target, package, version, Status.REPLACED, replaced,
                                       ""))
@@ -499,21 +593,17 @@ def check_targets(patch: str, targets: Iterable[str],
             checks.append(TargetCheck(patch, target, package, version, status, found.describe(),
                                       record.describe()))
             continue
-        newest = _newest(recorded_by_version)
-        newer = False
-        try:
-            newer = newest is not None and Version(version) > Version(newest)
-        except InvalidVersion:
-            pass
+        same = next((v for v in candidates if recorded_by_version[v].get(target) == found), None)
+        if same is not None:
+            checks.append(TargetCheck(patch, target, package, version, Status.MATCHES_RECORDED,
+                                      found.describe(), same))
+            continue
+        newest = candidates[0] if candidates else None
         newest_record = recorded_by_version.get(newest or "", {}).get(target)
-        if newer and newest_record == found:
-            checks.append(TargetCheck(patch, target, package, version, Status.MATCHES_NEWEST,
-                                      found.describe(), str(newest)))
-        else:
-            checks.append(TargetCheck(
-                patch, target, package, version, Status.UNKNOWN, found.describe(),
-                f"{package} {newest}: {newest_record.describe()}"
-                if newer and newest_record is not None else ""))
+        checks.append(TargetCheck(
+            patch, target, package, version, Status.UNKNOWN, found.describe(),
+            f"{package} {newest}: {newest_record.describe()}" if newest_record is not None
+            else ""))
     return checks
 
 
@@ -522,11 +612,12 @@ def check_patches(patches: Iterable[Any],
                   versions: Optional[Dict[str, Optional[str]]] = None) -> List[TargetCheck]:
     """:func:`check_targets` of every patch (objects with ``name`` and ``wraps``); ``versions``
     overrides the running version of a package (``{"deepspeed": "0.19.8"}``)."""
+    files = load_files() if table is None else {}
     table = load_table() if table is None else table
     versions = dict(versions or {})
     checks: List[TargetCheck] = []
     for patch in patches:
-        for check in check_targets(patch.name, patch.wraps, table, versions):
+        for check in check_targets(patch.name, patch.wraps, table, versions, files):
             versions.setdefault(check.package, check.version)
             checks.append(check)
     return checks
@@ -554,12 +645,15 @@ def _all_targets() -> Dict[str, List[str]]:
     return by_package
 
 
-def record(packages: Optional[Sequence[str]] = None
-           ) -> Dict[str, Tuple[str, Dict[str, Fingerprint]]]:
-    """package -> (running version, target -> fingerprint) for every target of every patch in
-    ``packages`` (default: all). Nothing is imported but the packages' top level; a target whose
-    module is imported and holds a replaced object raises (record pristine code only)."""
-    out: Dict[str, Tuple[str, Dict[str, Fingerprint]]] = {}
+Recorded = Dict[str, Tuple[str, Dict[str, Fingerprint], Dict[str, FileRecord]]]
+
+
+def record(packages: Optional[Sequence[str]] = None) -> Recorded:
+    """package -> (running version, target -> fingerprint, module -> file record) for every
+    target of every patch in ``packages`` (default: all). Nothing is imported but the packages'
+    top level; a target whose module is imported and holds a replaced object raises (record
+    pristine code only)."""
+    out: Recorded = {}
     for package, targets in sorted(_all_targets().items()):
         if packages is not None and package not in packages:
             continue
@@ -567,28 +661,43 @@ def record(packages: Optional[Sequence[str]] = None
         if version is None:
             log.warning("%s is not installed: its targets are not recorded", package)
             continue
-        prints = {}
+        prints: Dict[str, Fingerprint] = {}
+        files: Dict[str, FileRecord] = {}
         for target in sorted(targets):
-            replaced = live_replacement(target)
+            known = _definition(target)
+            replaced = live_replacement(target, known)
             if replaced is not None:
                 raise RuntimeError(f"{target} is {replaced}: record fingerprints from an "
                                    "unpatched interpreter")
-            prints[target] = source_fingerprint(target)
-        out[package] = (version, prints)
+            prints[target] = known[0]
+            module, qualname = split_target(target)
+            digest = file_digest(module)
+            if digest is None:
+                continue
+            entry = files.setdefault(module, FileRecord(digest, {}))
+            if known[1] is not None:
+                entry.functions[qualname] = known[1]
+        out[package] = (version, prints, files)
     return out
 
 
-def _write(recorded: Dict[str, Tuple[str, Dict[str, Fingerprint]]], path: Path) -> None:
-    raw: Dict[str, Any] = {"format": _FORMAT, "packages": {}}
+def _write(recorded: Recorded, path: Path) -> None:
+    raw: Dict[str, Any] = {"format": _FORMAT, "packages": {}, "files": {}}
     if path.is_file():
         raw = json.loads(path.read_text())
-    for package, (version, prints) in recorded.items():
+        raw.setdefault("files", {})
+    for package, (version, prints, files) in recorded.items():
         raw["packages"].setdefault(package, {})[version] = {
             target: fp.to_json() for target, fp in sorted(prints.items())}
-    for package, versions in raw["packages"].items():
-        raw["packages"][package] = dict(sorted(versions.items(), key=lambda kv: Version(kv[0])))
-    raw["packages"] = dict(sorted(raw["packages"].items()))
-    path.write_text(json.dumps(raw, indent=1, sort_keys=False) + "\n")
+        raw["files"].setdefault(package, {})[version] = {
+            module: {"sha256": rec.sha256,
+                     "functions": {q: list(lines) for q, lines in sorted(rec.functions.items())}}
+            for module, rec in sorted(files.items())}
+    for section in ("packages", "files"):
+        for package, versions in raw[section].items():
+            raw[section][package] = dict(sorted(versions.items(), key=lambda kv: Version(kv[0])))
+        raw[section] = dict(sorted(raw[section].items()))
+    path.write_text(json.dumps(raw, indent=1) + "\n")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -610,13 +719,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.table = TABLE_PATH if args.table is None else args.table
     if args.write:
         _write(recorded, args.table)
-        for package, (version, prints) in recorded.items():
+        for package, (version, prints, _) in recorded.items():
             sys.stdout.write(f"recorded {len(prints)} targets of {package} {version} in "
                              f"{args.table}\n")
         return 0
     table = load_table(args.table)
     differences = 0
-    for package, (version, prints) in recorded.items():
+    for package, (version, prints, _) in recorded.items():
         known = table.get(package, {}).get(version, {})
         for target, fp in prints.items():
             state = ("matches" if known.get(target) == fp

@@ -242,6 +242,8 @@ setup(
     package_dir={"": "python"},
     packages=find_packages("python"),
     py_modules=["ds_z3native_autoload"],
+    # The fingerprints of the code the patches wrap, per DeepSpeed release (compat/fingerprints.py).
+    package_data={"ds_z3native.compat": ["fingerprints.json"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExt, "build_py": build_py_with_autoload},
     python_requires=">=3.9",

@@ -11,21 +11,22 @@ fails with :class:`AutoloadError` instead of running DeepSpeed without ds_z3nati
 Values of ``DS_Z3NATIVE``: ``1``/``true``/``yes``/``on`` activate; unset, ``""``,
 ``0``/``false``/``no``/``off`` do not; anything else makes ``import deepspeed`` raise.
 
-The post-import hooks (:func:`when_imported`) are also how ds_z3native patches DeepSpeed modules
-that DeepSpeed itself imports late (``deepspeed.compile.init_z3`` in 0.19.8), without importing
-them early. This module is top-level and uses the standard library only, so the start-up line
-can import it without importing the ds_z3native package (and torch).
+The post-import hooks live in :mod:`ds_z3native.compat.import_hooks` (with which the patches
+also edit modules DeepSpeed imports late). This module is a thin top-level shim that uses the
+standard library only: the start-up line imports it, and it loads the hook module from its file,
+without importing the ds_z3native package (and torch); it imports the package only when
+``import deepspeed`` calls ``install()``.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
+import importlib
+import importlib.util
 import os
 import sys
 import threading
 from types import ModuleType
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 __all__ = ["ENV_VAR", "PTH_NAME", "PTH_LINE", "AutoloadError", "activate", "deactivate",
            "is_active", "requested", "when_imported", "installed_pth_files", "write_pth"]
@@ -39,113 +40,48 @@ PTH_LINE = ("import os; os.environ.get('DS_Z3NATIVE', '') not in ('', '0') "
 _ON = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"", "0", "false", "no", "off"})
 
+_lock = threading.RLock()
+
 
 # ---- post-import hooks --------------------------------------------------------------------------
 
-Callback = Callable[[ModuleType], None]
-
-_lock = threading.RLock()
-_pending: Dict[str, List[Tuple[object, Callback]]] = {}
+_HOOKS = "ds_z3native.compat.import_hooks"
 
 
-class _RunCallbacksAfterExec(importlib.abc.Loader):
-    """Wraps a module's loader: executes the module, then runs its pending callbacks."""
-
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
-        create = getattr(self._loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: ModuleType) -> None:
-        # The module keeps its own loader (importlib.resources and friends look there).
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        _run_callbacks(module.__name__, module)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """First on sys.meta_path while callbacks are pending; answers only for their modules, with
-    the spec the other finders give, its loader wrapped."""
-
-    def __init__(self) -> None:
-        self._searching = threading.local()
-
-    def find_spec(self, fullname: str, path: Optional[Sequence[str]],
-                  target: Optional[ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
-        if fullname not in _pending or getattr(self._searching, "on", False):
-            return None
-        self._searching.on = True
-        try:
-            spec = None
-            for finder in list(sys.meta_path):
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-        finally:
-            self._searching.on = False
-        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _RunCallbacksAfterExec(spec.loader)
-        return spec
-
-
-_finder = _PostImportFinder()
-
-
-def _sync_finder() -> None:
-    with _lock:
-        present = _finder in sys.meta_path
-        if _pending and not present:
-            sys.meta_path.insert(0, _finder)
-        elif not _pending and present:
-            sys.meta_path.remove(_finder)
-
-
-def _run_callbacks(name: str, module: ModuleType) -> None:
-    with _lock:
-        entries = _pending.pop(name, [])
-    done = 0
-    try:
-        for _, callback in entries:
-            callback(module)
-            done += 1
-    except BaseException:
-        # Unfinished callbacks stay pending: a retried import runs (and fails) them again rather
-        # than quietly going on without them.
-        with _lock:
-            _pending.setdefault(name, [])[:0] = entries[done:]
-        raise
-    finally:
-        _sync_finder()
-
-
-def when_imported(name: str, callback: Callback) -> Callable[[], None]:
-    """Run ``callback(module)`` right after module ``name`` is executed by its import (before the
-    import statement returns; an exception fails the import), or now if it is already imported.
-    Returns a function that cancels the callback if it has not run yet."""
-    module = sys.modules.get(name)
+def _import_hooks() -> ModuleType:
+    """``ds_z3native.compat.import_hooks`` (the post-import hook machinery, standard library
+    only). Before the ``ds_z3native`` package is imported it is loaded from its file, under its
+    own name, without importing the package (which imports torch): the package then finds this
+    same module in ``sys.modules``."""
+    module = sys.modules.get(_HOOKS)
     if module is not None:
-        callback(module)
-        return lambda: None
-    token = object()
+        return module
+    if "ds_z3native" in sys.modules:
+        return importlib.import_module(_HOOKS)
+    package = importlib.util.find_spec("ds_z3native")
+    if package is None or not package.submodule_search_locations:
+        raise ImportError(f"{ENV_VAR}: the ds_z3native package is not importable here")
+    path = os.path.join(list(package.submodule_search_locations)[0], "compat", "import_hooks.py")
+    spec = importlib.util.spec_from_file_location(_HOOKS, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{ENV_VAR}: cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
     with _lock:
-        _pending.setdefault(name, []).append((token, callback))
-        _sync_finder()
+        if _HOOKS in sys.modules:  # another thread got there first
+            return sys.modules[_HOOKS]
+        sys.modules[_HOOKS] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[_HOOKS]
+            raise
+    return module
 
-    def cancel() -> None:
-        with _lock:
-            entries = _pending.get(name, [])
-            entries[:] = [e for e in entries if e[0] is not token]
-            if not entries:
-                _pending.pop(name, None)
-            _sync_finder()
 
-    return cancel
+def when_imported(name: str, callback: Callable[[ModuleType], None]) -> Callable[[], None]:
+    """:func:`ds_z3native.compat.import_hooks.when_imported` (kept here for callers of this
+    module): run ``callback(module)`` right after ``name`` is imported, or now if it is."""
+    return _import_hooks().when_imported(name, callback)
 
 
 # ---- DS_Z3NATIVE --------------------------------------------------------------------------------
@@ -210,8 +146,7 @@ def deactivate() -> None:
 
 def is_active() -> bool:
     """Whether an activation is waiting for ``import deepspeed``."""
-    with _lock:
-        return any(cb is _install_into for _, cb in _pending.get("deepspeed", ()))
+    return any(cb is _install_into for cb in _import_hooks().pending("deepspeed"))
 
 
 # ---- the start-up file ---------------------------------------------------------------------------

@@ -97,8 +97,8 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
     "engine-train-unchanged-mode": [
         (_ENGINE, "DeepSpeedEngine.train", ("self", "mode"))],
     "engine-zero-grad-param-list": [(_ENGINE, "DeepSpeedEngine.zero_grad", ("self",))],
-    "checkpoint_recompute_frozen": _RECOMPUTE,
-    "checkpoint_recompute_hardening": _RECOMPUTE,
+    "checkpoint-recompute-frozen": _RECOMPUTE,
+    "checkpoint-recompute-hardening": _RECOMPUTE,
 }
 
 VERSION = deepspeed_version()
@@ -153,7 +153,7 @@ def test_what_each_patch_uses_has_the_parameters_it_relies_on(patch: Any) -> Non
 
 
 def test_recompute_patch_ranges_split_where_deepspeeds_own_attribution_begins() -> None:
-    # checkpoint_recompute_frozen replaces nothing upstream (0.19.0 - 0.19.2); the hardening
+    # checkpoint-recompute-frozen replaces nothing upstream (0.19.0 - 0.19.2); the hardening
     # runs beside DeepSpeed's update_recompute_parameters (0.19.3+).
     from ds_z3native.compat.checkpoint_recompute import RECOMPUTE_FROZEN, RECOMPUTE_HARDENING
 

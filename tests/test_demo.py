@@ -81,8 +81,8 @@ def test_readme_demo_command_trains() -> None:
                      r"[0-9.]+ MiB", r.stderr), r.stderr[-2000:]
     assert re.search(r"^\s*step time\s+[0-9.]+ s median of steps 2-20 \([0-9.]+ s first\)$",
                      r.stdout, re.M), _show(r)
-    expected = ("checkpoint_recompute_hardening" if _ds_version() >= Version("0.19.3")
-                else "checkpoint_recompute_frozen")
+    expected = ("checkpoint-recompute-hardening" if _ds_version() >= Version("0.19.3")
+                else "checkpoint-recompute-frozen")
     assert re.search(rf"^\s*fix\s+ds_z3native\.install\(\):.*{expected}", r.stdout, re.M), \
         _show(r)
 

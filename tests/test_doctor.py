@@ -85,7 +85,7 @@ def test_doctor_json_reports_a_ready_environment(venv_python: str) -> None:
     checks = _by_name(report)
     assert [c["name"] for c in report["checks"]] == [
         "python", "torch", "cuda", *(["nccl"] if "nccl" in checks else []), "native extension",
-        "deepspeed", "install() would succeed", "patches for this DeepSpeed",
+        "deepspeed", "install() would succeed", "patches for this DeepSpeed", "patch fingerprints",
         "DS_Z3NATIVE activation", "demo packages", "self-test"]
     failed = [c for c in report["checks"] if c["status"] == "FAIL"]
     assert report["ok"] and not failed, failed
@@ -95,6 +95,12 @@ def test_doctor_json_reports_a_ready_environment(venv_python: str) -> None:
     assert install["data"]["mismatches"] == [] and install["data"]["dc_owner"] is None
     assert [p["name"] for p in checks["patches for this DeepSpeed"]["data"]["patches"]] == \
         [p.name for p in patches_for(deepspeed_version())]
+    prints = checks["patch fingerprints"]
+    assert prints["status"] in ("PASS", "WARN"), prints  # WARN: an unrecorded torch/transformers
+    assert {(t["patch"], t["target"]) for t in prints["data"]["targets"]} == \
+        {(p.name, t) for p in patches_for(deepspeed_version()) for t in p.wraps}
+    assert all(t["verdict"] == "matches" for t in prints["data"]["targets"]
+               if t["package"] == "deepspeed"), prints
     activation = checks["DS_Z3NATIVE activation"]
     assert activation["status"] == "PASS", activation
     assert activation["data"]["probe"] == {"hook_armed": True, "installed": True,
@@ -166,8 +172,15 @@ def test_text_report_has_one_aligned_verdict_per_check_and_no_deepspeed_notice()
     assert re.match(r"\d+ PASS, \d+ WARN, 0 FAIL in [0-9.]+ s: ready", lines[-1]), lines[-1]
     assert not [ln for ln in r.stdout.splitlines() if "Setting accelerator" in ln], r.stdout
     detail_at = len("[PASS] ") + LABEL_WIDTH + 2
-    verdicts = [ln for ln in body if not ln.startswith(" " * detail_at + "-> ")]
+    # Under a verdict, at the detail column: its fix (WARN, FAIL) or its table.
+    verdicts = [ln for ln in body if not ln.startswith(" " * detail_at)]
     assert verdicts and all(re.match(r"\[(PASS|WARN|FAIL)\] ", ln) for ln in verdicts), body
+    fingerprints = next(i for i, ln in enumerate(body) if ln[7:detail_at].rstrip()
+                        == "patch fingerprints")
+    assert body[fingerprints + 1].split() [:3] == ["patch", "target", "fingerprint"], body
+    rows = [ln.split() for ln in body[fingerprints + 2:] if ln.startswith(" " * detail_at)
+            and not ln.strip().startswith("-> ")]
+    assert rows and all(row[2] in ("matches", "unverified", "REFUSED") for row in rows), rows
     for ln in verdicts:
         assert ln[7:detail_at].rstrip() in LABELS, ln
         assert ln[detail_at - 2:detail_at] == "  " and ln[detail_at] != " ", ln
@@ -210,3 +223,35 @@ def test_the_native_check_reports_how_this_build_got_its_flavour() -> None:
         assert "refused at init()" in check.detail and "-v -e ." in check.fix
     elif info["torch_matches_build"]:
         assert check.status == "PASS", check
+
+
+@pytest.mark.deepspeed
+def test_fingerprint_table_names_each_patch_target_and_a_replaced_one_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row per (patch, target) of the patches install() would apply, each matching the
+    record of the installed release; a DeepSpeed function replaced at run time turns the check
+    (and install() would succeed) into a FAIL that names the patch and what to do."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ds_z3native.compat import deepspeed_version
+    from ds_z3native.compat.fingerprints import UNVERIFIED_ENV
+    from ds_z3native.compat.registry import patches_for
+    from ds_z3native.doctor import _check_fingerprints, format_check
+
+    monkeypatch.delenv(UNVERIFIED_ENV, raising=False)
+    version = deepspeed_version()
+    expected = [[p.name, t] for p in patches_for(version) for t in p.wraps]
+    check = _check_fingerprints(version)
+    assert [row[:2] for row in check.table[1:]] == expected
+    deepspeed_rows = [row for row in check.table[1:] if row[1].startswith("deepspeed.")]
+    assert deepspeed_rows and all(row[2] == "matches" for row in deepspeed_rows), check.table
+    assert check.status in ("PASS", "WARN"), check
+    assert "patch fingerprints" in format_check(check) and "DeepSpeedEngine.forward" in \
+        format_check(check)
+
+    monkeypatch.setattr(DeepSpeedEngine, "forward", lambda self, *a, **k: None)
+    check = _check_fingerprints(version)
+    assert check.status == "FAIL", check
+    row = next(r for r in check.table if r[1] == "deepspeed.runtime.engine:DeepSpeedEngine.forward")
+    assert row[0] == "deepcompile-z3-eager-gather" and row[2] == "REFUSED (replaced)", row
+    assert f"{UNVERIFIED_ENV}=deepcompile-z3-eager-gather" in check.fix

@@ -438,7 +438,7 @@ def test_install_two_ranks() -> None:
     """What install() applies for the running DeepSpeed, at world size 2."""
     results = run_ranks(run_group, 2, "install", PATCHED_CASES, timeout=RANK_TIMEOUT)
     _assert_group(results, PATCHED_CASES)
-    expected = "checkpoint_recompute_hardening" if UPSTREAM_FIX else "checkpoint_recompute_frozen"
+    expected = "checkpoint-recompute-hardening" if UPSTREAM_FIX else "checkpoint-recompute-frozen"
     for per_rank in results:
         assert expected in per_rank["_patches"]
         assert per_rank["_mode"] == ("hardening" if UPSTREAM_FIX else "holds")

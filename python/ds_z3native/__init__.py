@@ -17,16 +17,18 @@ from typing import Any, Dict, Optional
 import torch
 
 from ._native import DcNamespaceTaken, existing_dc_owner, load
+from ._version import __version__
 from .compat.deepcompile_prefetch import PREFETCH_BUDGET_ENV, parse_budget_mib
 from .compat.deepcompile_profile_store import PROFILE_STORE_ENV
-from .installer import InstallError, InstallReport, UnsupportedDeepSpeed, install, installed, uninstall
+from .installer import (InstallError, InstallReport, UnsupportedDeepSpeed, UnverifiedPatchTarget,
+                        install, installed, uninstall)
 
 __all__ = ["native", "build_info", "current_graph_task_id", "DcNamespaceTaken",
            "existing_dc_owner", "__version__", "install", "uninstall", "installed",
-           "InstallReport", "InstallError", "UnsupportedDeepSpeed", "set_persistence_budget",
+           "InstallReport", "InstallError", "UnsupportedDeepSpeed", "UnverifiedPatchTarget",
+           "set_persistence_budget",
            "PERSISTENCE_BUDGET_ENV", "set_prefetch_budget", "PREFETCH_BUDGET_ENV",
            "set_profile_store", "PROFILE_STORE_ENV"]
-__version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 

@@ -6,8 +6,10 @@ One verdict per check (PASS / WARN / FAIL), each WARN and FAIL with the step tha
 * the native extension ``ds_z3native._C``: it loads, its build flavour, the torch it was built
   against (must be the running one);
 * ``install()``: would it succeed here (DeepSpeed version gate, DeepSpeed's dc contract read from
-  its sources, nobody else owns ``torch.ops.dc``), and which patches it applies to this DeepSpeed.
-  Nothing is installed into this process;
+  its sources, nobody else owns ``torch.ops.dc``), which patches it applies to this DeepSpeed,
+  and, for each target those patches wrap, whether its fingerprint is the one recorded for the
+  running release (the table printed under ``patch fingerprints``). Nothing is installed into
+  this process;
 * zero-code activation: the ``.pth`` start-up file is present and current, ``DS_Z3NATIVE`` is
   set or not, and a fresh interpreter with ``DS_Z3NATIVE=1`` really installs ds_z3native at
   ``import deepspeed``;
@@ -54,6 +56,7 @@ class DoctorCheck:
     detail: str
     fix: str = ""
     data: Dict[str, Any] = field(default_factory=dict)
+    table: List[List[str]] = field(default_factory=list)  # rows printed under the verdict
 
 
 @dataclass
@@ -312,6 +315,11 @@ def _check_deepspeed(versions: Dict[str, Optional[str]], dc_owner: Optional[str]
         f"{len(mismatches)} contract difference(s): " + "; ".join(mismatches[:5]))
     if installed():
         detail += " (already installed in this process)"
+    fingerprints = _check_fingerprints(version) if gate.allowed else None
+    if status is not Status.FAIL and fingerprints is not None \
+            and fingerprints.status == Status.FAIL:
+        status, fix = Status.FAIL, fingerprints.fix
+        detail += "; patch targets differ from the tested code (see patch fingerprints)"
     checks.append(DoctorCheck("install() would succeed", status, detail, fix,
                               data={"verdict": gate.verdict.value, "mismatches": mismatches,
                                     "dc_owner": owner}))
@@ -325,7 +333,61 @@ def _check_deepspeed(versions: Dict[str, Optional[str]], dc_owner: Optional[str]
         checks.append(DoctorCheck("patches for this DeepSpeed", Status.FAIL,
                                   f"the patch registry fails: {type(e).__name__}: {e}",
                                   _REINSTALL))
+    if fingerprints is not None:
+        checks.append(fingerprints)
     return checks
+
+
+def _check_fingerprints(version: Any) -> DoctorCheck:
+    """For every target of the patches ``install()`` would apply to DeepSpeed ``version``:
+    whether its fingerprint is the one recorded for the running release (a table row each)."""
+    from .compat.fingerprints import UNVERIFIED_ENV, allowed_unverified, check_patches
+    from .compat.registry import patches_for
+
+    name = "patch fingerprints"
+    try:
+        release = str(type(version)(version.base_version))
+        checks = check_patches(patches_for(version), versions={"deepspeed": release})
+    except Exception as e:  # noqa: BLE001 - the verdict
+        return DoctorCheck(name, Status.FAIL, f"cannot read them: {type(e).__name__}: {e}",
+                           _REINSTALL)
+    allow_all, allowed = allowed_unverified()
+    refused = [c for c in checks if not c.status.ok and c.strict
+               and not allow_all and c.patch not in allowed]
+    unverified = [c for c in checks if not c.status.ok and c not in refused]
+
+    def verdict(c: Any) -> str:
+        if c.status.ok:
+            return c.verdict
+        if c in refused:
+            return f"REFUSED ({c.status.value})"
+        allowed_by = f", allowed by {UNVERIFIED_ENV}" if c.strict else ""
+        return f"unverified ({c.status.value}{allowed_by})"
+
+    rows = [["patch", "target", f"fingerprint (DeepSpeed {release})"]] + [
+        [c.patch, c.target, verdict(c)] for c in checks]
+    data = {"targets": [{"patch": c.patch, "target": c.target, "package": c.package,
+                         "version": c.version, "status": c.status.value, "verdict": c.verdict,
+                         "found": c.found, "recorded": c.recorded} for c in checks]}
+    n_patches = len({c.patch for c in checks})
+    matched = len(checks) - len(refused) - len(unverified)
+    detail = (f"{len(checks)} targets of {n_patches} patches: {matched} match the fingerprints "
+              f"recorded for DeepSpeed {release}"
+              + (f", {len(unverified)} unverified" if unverified else "")
+              + (f", {len(refused)} differ (install() refuses them)" if refused else ""))
+    if refused:
+        names = ",".join(sorted({c.patch for c in refused}))
+        return DoctorCheck(
+            name, Status.FAIL, detail,
+            "use an unmodified supported DeepSpeed release (pip install --force-reinstall "
+            f"{_DS_RANGE}), or set {UNVERIFIED_ENV}={names} to patch anyway", data, rows)
+    if unverified:
+        packages = ", ".join(sorted({f"{c.package} {c.version}" for c in unverified}))
+        return DoctorCheck(
+            name, Status.WARN, detail + f" ({packages})",
+            "these targets differ from the versions ds_z3native was tested with; the patches "
+            "still apply: report problems with these versions", data, rows)
+    return DoctorCheck(name, Status.PASS, detail, data=data, table=rows)
 
 
 def _check_activation(probe: Dict[str, Any], armed_at_start: bool) -> DoctorCheck:
@@ -453,17 +515,24 @@ def run_doctor(selftest: bool = True, ranks: int = 2,
 
 # Every check's label, in report order: the text report's label column is as wide as the longest.
 LABELS = ("python", "torch", "cuda", "nccl", "native extension", "deepspeed",
-          "install() would succeed", "patches for this DeepSpeed", "DS_Z3NATIVE activation",
+          "install() would succeed", "patches for this DeepSpeed", "patch fingerprints",
+          "DS_Z3NATIVE activation",
           "demo packages", "self-test")
 LABEL_WIDTH = max(len(label) for label in LABELS)
 
 
 def format_check(check: DoctorCheck, width: int = LABEL_WIDTH) -> str:
     """One verdict line (label column ``width`` wide, then two spaces), plus the fix for WARN
-    and FAIL under the detail."""
+    and FAIL and the check's table (if any) under the detail."""
     line = f"[{check.status}] {check.name.ljust(width)}  {check.detail}"
+    indent = " " * (len(check.status) + 3 + width + 2)
     if check.status != Status.PASS and check.fix:
-        line += f"\n{'':{len(check.status) + 3 + width + 2}}-> {check.fix}"
+        line += f"\n{indent}-> {check.fix}"
+    if check.table:
+        widths = [max(len(row[i]) for row in check.table) for i in range(len(check.table[0]) - 1)]
+        for row in check.table:
+            cells = [cell.ljust(w) for cell, w in zip(row, widths)] + row[len(widths):]
+            line += f"\n{indent}" + "  ".join(cells)
     return line
 
 

@@ -10,7 +10,12 @@
    ``deepspeed.ops.op_builder.builder`` (and in a source checkout's top-level ``op_builder.builder``,
    a second copy of the class), and ``deepspeed.compile.util.dc_handle``. From then on
    ``get_deepcompile_handle()`` and ``DeepCompileBuilder().load()`` return it; nothing is built;
-4. applies the patches of :mod:`ds_z3native.compat.registry` that target that DeepSpeed version.
+4. applies the patches of :mod:`ds_z3native.compat.registry` that target that DeepSpeed version,
+   once every DeepSpeed function they wrap is found to be the code recorded for that release
+   (:mod:`ds_z3native.compat.fingerprints`): a patch whose target differs is refused
+   (:class:`UnverifiedPatchTarget`, nothing changed) unless ``DS_Z3NATIVE_UNVERIFIED_PATCHES``
+   names it (or is ``all``); targets in torch or transformers that differ from the record of the
+   running version are logged as unverified and patched.
 
 ``uninstall()`` undoes 4 and 3 in reverse order, restoring exactly what was there. ``installed()``
 says whether ``install()`` is in effect. Both are idempotent and thread-safe.
@@ -24,14 +29,20 @@ import logging
 import threading
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from packaging.version import Version
 
 from ._native import DcNamespaceTaken, load
 from .compat import Undo, deepspeed_version
+from .compat import Patch
+from .compat.fingerprints import UNVERIFIED_ENV, TargetCheck, allowed_unverified, check_patches
 from .compat.gate import UnsupportedDeepSpeed, Verdict, check_deepspeed_version
+from .compat.registry import patches_for
 
 __all__ = ["install", "uninstall", "installed", "InstallReport", "InstallError",
-           "UnsupportedDeepSpeed", "DcNamespaceTaken", "loader_status"]
+           "UnverifiedPatchTarget", "UnsupportedDeepSpeed", "DcNamespaceTaken", "loader_status",
+           "verify_patches"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +53,16 @@ class InstallError(RuntimeError):
     """install() failed part-way; everything it had changed was undone."""
 
 
+class UnverifiedPatchTarget(InstallError):
+    """A DeepSpeed function a patch wraps is not the code ds_z3native was tested against (another
+    release's, a local edit, or replaced at run time); nothing was changed. ``checks`` holds the
+    targets that failed."""
+
+    def __init__(self, message: str, checks: Sequence[TargetCheck]) -> None:
+        super().__init__(message)
+        self.checks = tuple(checks)
+
+
 @dataclass(frozen=True)
 class InstallReport:
     """What ``install()`` did."""
@@ -50,6 +71,9 @@ class InstallReport:
     verdict: str  # "supported" or "newer-compatible"
     loader_sites: Tuple[str, ...]  # where DeepSpeed's loader now finds our module
     patches: Tuple[str, ...]  # names of the applied compat patches, in order
+    # "patch: target" of each target patched although its fingerprint is not the recorded one
+    # (torch/transformers targets, or DeepSpeed ones allowed by DS_Z3NATIVE_UNVERIFIED_PATCHES).
+    unverified: Tuple[str, ...] = ()
 
 
 @dataclass
@@ -160,8 +184,10 @@ def install() -> InstallReport:
 
     Idempotent: a second call returns the first call's report. Raises
     :class:`UnsupportedDeepSpeed` for a DeepSpeed outside the supported range (nothing changed),
-    :class:`DcNamespaceTaken` if another library registered ``torch.ops.dc`` first (nothing
-    changed), and :class:`InstallError` if a patch fails (everything undone).
+    :class:`UnverifiedPatchTarget` if a DeepSpeed function a patch wraps is not the code recorded
+    for that release (nothing changed), :class:`DcNamespaceTaken` if another library registered
+    ``torch.ops.dc`` first (nothing changed), and :class:`InstallError` if a patch fails
+    (everything undone).
     """
     global _state
     with _lock:
@@ -178,12 +204,10 @@ def install() -> InstallReport:
             raise UnsupportedDeepSpeed(gate.message)
         if gate.verdict is Verdict.NEWER_COMPATIBLE:
             log.warning(gate.message)
+        patches = patches_for(version)
+        unverified = verify_patches(patches, version)
         sites = _sites()
         module = _load_native(sites)
-
-        from .compat.registry import patches_for
-
-        patches = patches_for(version)
         undos: List[Tuple[str, Undo]] = []
         try:
             for site in sites:
@@ -197,12 +221,49 @@ def install() -> InstallReport:
                                f"{_next_step(sites, patches, len(undos))} for DeepSpeed "
                                f"{version}: {e}; every change was undone") from e
         report = InstallReport(str(version), gate.verdict.value,
-                               tuple(s.name for s in sites), tuple(p.name for p in patches))
+                               tuple(s.name for s in sites), tuple(p.name for p in patches),
+                               tuple(f"{c.patch}: {c.target}" for c in unverified))
         _state = _State(report, undos)
         log.info("ds_z3native installed into DeepSpeed %s (%s build): loader sites %s; patches %s",
                  version, module.build_info()["flavour"], ", ".join(report.loader_sites),
                  ", ".join(report.patches) or "none")
         return report
+
+
+def verify_patches(patches: Sequence[Patch], version: Version) -> List[TargetCheck]:
+    """Compare the targets of ``patches`` with the fingerprints recorded for DeepSpeed
+    ``version`` (and the running torch/transformers). Raises :class:`UnverifiedPatchTarget`
+    naming each patch, target and version where a DeepSpeed target differs and
+    ``DS_Z3NATIVE_UNVERIFIED_PATCHES`` does not allow the patch; returns the checks that are not
+    verified but allowed (logged: a warning for a DeepSpeed target, info for the others)."""
+    release = str(Version(version.base_version))
+    checks = check_patches(patches, versions={"deepspeed": release})
+    allow_all, allowed = allowed_unverified()
+    refused = [c for c in checks
+               if not c.status.ok and c.strict and not allow_all and c.patch not in allowed]
+    if refused:
+        names = sorted({c.patch for c in refused})
+        lines = "\n".join(f"  - patch {c.patch}: {c.target}: {c.explain()}" for c in refused)
+        raise UnverifiedPatchTarget(
+            f"ds_z3native.install(): DeepSpeed {version}: {len(refused)} target(s) of patch(es) "
+            f"{', '.join(names)} are not the code ds_z3native was tested with:\n{lines}\n"
+            "Nothing was changed. Use an unmodified supported DeepSpeed release "
+            f"(pip install --force-reinstall 'deepspeed>=0.19.0,<=0.19.8'), or, to apply these "
+            f"patches anyway, set {UNVERIFIED_ENV}={','.join(names)} (or {UNVERIFIED_ENV}=all).",
+            refused)
+    unverified = [c for c in checks if not c.status.ok]
+    for c in unverified:
+        # A DeepSpeed target let through by the override is the user's risk: a warning. A torch or
+        # transformers version without a record is the common case (users run many): an info
+        # line, and the doctor's table.
+        if c.strict:
+            log.warning("ds_z3native: patch %s wraps %s, unverified on %s %s (allowed by %s): %s",
+                        c.patch, c.target, c.package, c.version, UNVERIFIED_ENV, c.explain())
+        else:
+            log.info("ds_z3native: patch %s wraps %s, unverified on %s %s (%s targets are "
+                     "reported, not refused): %s", c.patch, c.target, c.package, c.version,
+                     c.package, c.explain())
+    return unverified
 
 
 def _next_step(sites: List[_Site], patches: List[Any], done: int) -> str:

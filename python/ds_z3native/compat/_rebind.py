@@ -1,16 +1,21 @@
-"""Replace a function everywhere DeepSpeed holds it, and put it back."""
+"""Replace a function everywhere DeepSpeed holds it, and put it back.
+
+Every edit a patch makes goes through these helpers (each returns the undo); edits of modules
+DeepSpeed imports late wait for their import (:mod:`ds_z3native.compat.import_hooks`).
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
 from types import ModuleType
-from typing import Callable, List, Sequence
+from typing import Any, Callable, List, Sequence, Tuple
 
 from . import Undo
+from .import_hooks import when_imported
 
-__all__ = ["wrap_function", "wrap_method", "when_module_imported", "rebind_when_imported",
-           "undo_all"]
+__all__ = ["wrap_function", "wrap_method", "replace_attributes", "when_module_imported",
+           "rebind_when_imported", "undo_all"]
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +51,6 @@ def when_module_imported(module_name: str, apply: Callable[[], Undo]) -> Undo:
     """Run ``apply`` now if ``module_name`` is imported, else right after DeepSpeed imports it
     (so that patching a lazily imported module does not import it early). The undo removes the
     pending hook, or undoes what ``apply`` did."""
-    from ds_z3native_autoload import when_imported
-
     applied: List[Undo] = []
     cancel = when_imported(module_name, lambda _module: applied.append(apply()))
 
@@ -116,5 +119,32 @@ def wrap_method(cls: type, attr: str, make_wrapper: Callable[[Callable], Callabl
         else:
             log.warning("%s.%s was replaced after ds_z3native patched it; leaving the newer "
                         "object in place", cls.__qualname__, attr)
+
+    return undo
+
+
+_INHERITED = object()  # an attribute the owner inherits: the undo deletes the override
+
+
+def replace_attributes(edits: Sequence[Tuple[Any, str, Any]]) -> Undo:
+    """Set ``owner.<name> = new`` for each ``(owner, name, new)`` (classes or modules), in order.
+    The undo, last first, puts back what each owner held itself (an override of an inherited
+    attribute is deleted) where ``new`` is still in place; an attribute replaced since is left
+    alone with a warning, as :func:`wrap_function`."""
+    originals = [(owner, name, vars(owner).get(name, _INHERITED), new)
+                 for owner, name, new in edits]
+    for owner, name, new in edits:
+        setattr(owner, name, new)
+
+    def undo() -> None:
+        while originals:
+            owner, name, original, new = originals.pop()
+            if vars(owner).get(name) is not new:
+                log.warning("%s.%s was replaced after ds_z3native patched it; leaving the newer "
+                            "object in place", getattr(owner, "__name__", owner), name)
+            elif original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
 
     return undo

@@ -69,6 +69,7 @@ import torch
 from packaging.version import Version
 
 from . import Patch, Undo
+from ._rebind import replace_attributes
 
 __all__ = ["RECOMPUTE_FROZEN", "RECOMPUTE_HARDENING", "PATCHES", "RECOMPUTE_HOLD",
            "apply_recompute_fix", "applied_mode", "release_leftovers", "in_nonreentrant_recompute"]
@@ -87,7 +88,6 @@ _RELEASE_PARAM = "_PartitionedParameterCoordinator__release_param"
 _UPSTREAM_ATTRIBUTION = "update_recompute_parameters"
 _UPSTREAM_RECOMPUTE_SET = "ds_recompute_parameters"
 _STATE_ATTR = "_dsz_recompute_state"
-_INHERITED = object()  # an attribute the class inherits: the undo deletes the override
 
 
 class _RecomputeHold:
@@ -318,9 +318,9 @@ def apply_recompute_fix(holds: bool = True) -> Undo:
     steps, not during a backward.
     """
     global _applied
-    from .. import native
+    from .._native import load
 
-    graph_task_id: Callable[[], int] = native().current_graph_task_id
+    graph_task_id: Callable[[], int] = load().current_graph_task_id
     ds = _DeepSpeed()
     with _lock:
         if _applied is not None:
@@ -435,43 +435,44 @@ def _patch(ds: _DeepSpeed, holds: bool, graph_task_id: Callable[[], int]) -> Und
     if holds and ds.has_upstream_attribution:
         edits.append((ds.coordinator_module, _UPSTREAM_ATTRIBUTION, no_upstream_attribution))
 
-    originals = [(owner, name, vars(owner).get(name, _INHERITED), new)
-                 for owner, name, new in edits]
-    for owner, name, new in edits:
-        setattr(owner, name, new)
+    undo = replace_attributes(edits)
     log.debug("checkpoint_recompute applied (holds=%s, %d edits)", holds, len(edits))
-
-    def undo() -> None:
-        for owner, name, original, new in reversed(originals):
-            if vars(owner).get(name) is not new:
-                log.warning("%s.%s was replaced after ds_z3native patched it; leaving the newer "
-                            "object in place", getattr(owner, "__name__", owner), name)
-            elif original is _INHERITED:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-
     return undo
 
 
+# What both patches wrap or read: the coordinator's fetch/release/reset and its private release,
+# stage 3's backward epilogue, the engine's backward, and ZeRO's forward module stack.
+_TARGETS = (
+    f"{_COORDINATOR_MODULE}:PartitionedParameterCoordinator.fetch_sub_module",
+    f"{_COORDINATOR_MODULE}:PartitionedParameterCoordinator.release_sub_module",
+    f"{_COORDINATOR_MODULE}:PartitionedParameterCoordinator.reset_step",
+    f"{_COORDINATOR_MODULE}:PartitionedParameterCoordinator.__release_param",
+    f"{_STAGE3_MODULE}:DeepSpeedZeroOptimizer_Stage3.backward_epilogue",
+    f"{_ENGINE_MODULE}:DeepSpeedEngine.backward",
+    f"{_OFFLOAD_MODULE}:FWD_MODULE_STACK",
+)
+
 RECOMPUTE_FROZEN = Patch(
-    name="checkpoint_recompute_frozen",
+    name="checkpoint-recompute-frozen",
     summary=("eager ZeRO-3 + non-reentrant activation checkpointing: frozen params fetched in a "
              "recompute stay gathered until their last use in backward; whatever a backward "
              "leaves gathered is released"),
     apply=functools.partial(apply_recompute_fix, holds=True),
     first=Version("0.19.0"),
     last=Version("0.19.2"),
+    # DeepSpeed's own attribution, turned off while holds replace it (absent before 0.19.3).
+    wraps=_TARGETS + (f"{_COORDINATOR_MODULE}:{_UPSTREAM_ATTRIBUTION}",),
 )
 
 RECOMPUTE_HARDENING = Patch(
-    name="checkpoint_recompute_hardening",
+    name="checkpoint-recompute-hardening",
     summary=("eager ZeRO-3 + non-reentrant activation checkpointing, beside DeepSpeed's own "
              "recompute fix: a recompute keeps what a running backward gathered; whatever a "
              "backward leaves gathered (or an exception in it) is released"),
     apply=functools.partial(apply_recompute_fix, holds=False),
     first=Version("0.19.3"),
     last=Version("0.19.8"),
+    wraps=_TARGETS,
 )
 
 PATCHES: List[Patch] = [RECOMPUTE_FROZEN, RECOMPUTE_HARDENING]

@@ -58,6 +58,9 @@ DEEPCOMPILE_CPU_DEVICE = Patch(
     apply=patch_cpu_current_device,
     first=Version("0.19.3"),
     last=None,
+    wraps=(
+        "deepspeed.accelerator.cpu_accelerator:CPU_Accelerator.current_device",
+    ),
 )
 
 PATCHES: List[Patch] = [DEEPCOMPILE_CPU_DEVICE]

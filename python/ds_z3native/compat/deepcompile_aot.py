@@ -15,6 +15,12 @@ or ``partition_fn`` it leaves the kwargs alone).
   constructor, an AotAutograd built without ``fw_compiler`` or ``partition_fn`` is built by the
   original constructor, and one without ``bw_compiler`` gets ``fw_compiler`` for it, as 0.19.1
   does.
+
+  Targets: DeepSpeed's ``patch_create_aot_dispatcher_function`` (verified: ``install()`` refuses
+  the patch where its fingerprint is not the one recorded for 0.19.0) and torch's
+  ``AotAutograd.__init__``, whose keyword contract the wrapper relies on: recorded for the torch
+  versions it was tested with, reported *unverified* (a warning, a doctor line) on others, never
+  refused.
 """
 
 from __future__ import annotations
@@ -77,6 +83,10 @@ DEEPCOMPILE_AOT_PARTIAL_CONSTRUCTIONS = Patch(
     apply=patch_aot_partial_constructions,
     first=Version("0.19.0"),
     last=Version("0.19.0"),  # 0.19.1 wraps only the compilers that are there
+    wraps=(
+        "deepspeed.compile.inductor:patch_create_aot_dispatcher_function",
+        "torch._dynamo.backends.common:AotAutograd.__init__",
+    ),
 )
 
 PATCHES: List[Patch] = [DEEPCOMPILE_AOT_PARTIAL_CONSTRUCTIONS]

@@ -339,6 +339,13 @@ EAGER_GATHER = Patch(
     apply=patch_eager_gather,
     first=Version("0.19.0"),
     last=None,
+    wraps=(
+        "deepspeed.runtime.engine:DeepSpeedEngine.compile",
+        "deepspeed.runtime.engine:DeepSpeedEngine.forward",
+        "deepspeed.runtime.engine:DeepSpeedEngine.backward",
+        "deepspeed.runtime.zero.parameter_offload:ZeROOrderedDict.__init__",
+        "deepspeed.runtime.zero.parameter_offload:ZeROOrderedDict.__getitem__",
+    ),
 )
 
 PATCHES: List[Patch] = [EAGER_GATHER]

@@ -53,6 +53,8 @@ _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _INIT_Z3_MODULE = "deepspeed.compile.init_z3"
 
 
+# Every patch here wraps init_z3 where it is defined; the modules holding a ``from`` import of it
+# are rebound to the same wrapper, so its fingerprint covers them.
 def init_z3_owners() -> List[ModuleType]:
     """Modules holding DeepSpeed's ``init_z3``: its own module and, in releases that import it at
     module level (0.19.0 - 0.19.7 do; 0.19.8 imports it inside ``engine.compile()``),
@@ -198,6 +200,12 @@ FROZEN_GRAD_BUFFER = Patch(
     apply=patch_frozen_grad_buffer,
     first=Version("0.19.0"),
     last=Version("0.19.5"),
+    wraps=(
+        "deepspeed.compile.init_z3:init_z3",
+        # The optimizer's private map, swapped while init_z3 runs (set in the class's __init__).
+        "deepspeed.runtime.zero.stage3:"
+        "DeepSpeedZeroOptimizer_Stage3.__param_id_to_grad_partition",
+    ),
 )
 
 DECLARE_FROZEN = Patch(
@@ -207,6 +215,10 @@ DECLARE_FROZEN = Patch(
     apply=patch_declare_frozen,
     first=Version("0.19.0"),
     last=None,
+    wraps=(
+        "deepspeed.compile.init_z3:init_z3",
+        "deepspeed.compile.util:get_deepcompile_handle",
+    ),
 )
 
 UNFROZEN_GUARD = Patch(
@@ -216,6 +228,12 @@ UNFROZEN_GUARD = Patch(
     apply=patch_unfrozen_guard,
     first=Version("0.19.0"),
     last=None,
+    wraps=(
+        "deepspeed.compile.init_z3:init_z3",
+        "deepspeed.compile.util:add_pre_backward_hook",
+        "deepspeed.compile.util:pre_backward_hooks",  # the undo takes the hook out of it
+        "deepspeed.compile.util:deepcompile_backward_prologue",  # calls the hook (its arguments)
+    ),
 )
 
 # Applied in this order (each wraps the previous, so the later ones run after a successful

@@ -124,7 +124,7 @@ def cache_key_tag(base: str) -> str:
     version misses instead of running stale code."""
     import deepspeed
 
-    from .. import __version__
+    from .._version import __version__
 
     tag = f"deepspeed-{deepspeed.__version__}+ds_z3native-{__version__}+{build_fingerprint()}"
     return f"{base}|{tag}" if base else tag
@@ -290,6 +290,9 @@ DEEPCOMPILE_CANONICAL_GRAPH_IDS = Patch(
     apply=patch_canonical_graph_ids,
     first=Version("0.19.0"),
     last=None,
+    wraps=(
+        "deepspeed.compile.inductor:patch_compiler",
+    ),
 )
 
 PATCHES = [DEEPCOMPILE_CANONICAL_GRAPH_IDS]

@@ -101,6 +101,10 @@ DEEPCOMPILE_PREFETCH_BUDGET = Patch(
     apply=patch_prefetch_budget,
     first=Version("0.19.0"),
     last=None,
+    wraps=(
+        "deepspeed.compile.passes.prefetch:schedule_prefetch",
+        "deepspeed.compile.passes.prefetch:MAX_BUFFERED_SIZE",
+    ),
 )
 
 PATCHES = [DEEPCOMPILE_PREFETCH_BUDGET]

@@ -339,6 +339,11 @@ DEEPCOMPILE_PROFILE_STORE = Patch(
     apply=patch_profile_store,
     first=Version("0.19.0"),
     last=None,
+    wraps=(
+        "deepspeed.compile.profilers.graph_profile:ProfilingInterpreter.run",
+        "deepspeed.compile.profilers.graph_profile:MemoryProfilingInterpreter.run",
+        "deepspeed.compile.profilers.comm_profile:run_all_gather",
+    ),
 )
 
 PATCHES = [DEEPCOMPILE_PROFILE_STORE]

@@ -164,6 +164,10 @@ DEEPCOMPILE_KWARGS_DEPENDENCIES = Patch(
     apply=patch_kwargs_dependencies,
     first=Version("0.19.0"),
     last=None,
+    wraps=(
+        "deepspeed.compile.list_schedule:filter_args",
+        "deepspeed.compile.list_schedule:get_node_requirements",
+    ),
 )
 
 DEEPCOMPILE_RESUME_SCHEDULE = Patch(
@@ -173,6 +177,10 @@ DEEPCOMPILE_RESUME_SCHEDULE = Patch(
     apply=patch_resume_schedule,
     first=Version("0.19.0"),
     last=None,
+    wraps=(
+        "deepspeed.compile.backend:launch_compile_passes",
+        "deepspeed.compile.backend:remaining_schedule",
+    ),
 )
 
 PATCHES: List[Patch] = [DEEPCOMPILE_KWARGS_DEPENDENCIES, DEEPCOMPILE_RESUME_SCHEDULE]

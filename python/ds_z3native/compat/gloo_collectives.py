@@ -182,6 +182,7 @@ GLOO_COLLECTIVES_OUTSIDE_PYTHON_DISPATCH = Patch(
     apply=patch_gloo_collectives,
     first=Version("0.19.0"),
     last=None,
+    wraps=tuple(f"deepspeed.comm.torch:TorchBackend.{name}" for name in COLLECTIVES),
 )
 
 
@@ -255,6 +256,11 @@ COALESCED_GATHER_WAITS_ON_EVERY_HANDLE = Patch(
     apply=patch_coalesced_gather_waits,
     first=Version("0.19.0"),
     last=Version("0.19.7"),  # 0.19.8 waits on every handle itself
+    wraps=(
+        "deepspeed.runtime.zero.partition_parameters:Init._allgather_params_coalesced",
+        "deepspeed.comm.comm:all_gather_into_tensor",
+        "deepspeed.comm.comm:all_gather",
+    ),
 )
 
 PATCHES: List[Patch] = [GLOO_COLLECTIVES_OUTSIDE_PYTHON_DISPATCH,

@@ -17,6 +17,12 @@ forward logs ``use_cache=True is incompatible with gradient checkpointing`` thro
   training forward). Each change is logged; reentrant checkpointing is left as it is. The
   user's ``use_cache`` is what the config saves (``save_pretrained``, ``to_dict``): a model
   trained here and saved generates with its cache when loaded.
+
+  Targets: ``DeepSpeedEngine.compile`` (verified: ``install()`` refuses the patch where its
+  fingerprint is not the one recorded for the running DeepSpeed) and transformers'
+  ``PreTrainedConfig.to_dict``, whose fingerprint is recorded for the transformers versions it
+  was tested with: on another version it is reported *unverified* (a warning at ``install()``
+  and a doctor line), not refused, since users run many transformers releases.
 """
 
 from __future__ import annotations
@@ -136,6 +142,10 @@ HF_CHECKPOINT_GRAPH_BREAKS = Patch(
     apply=patch_checkpoint_graph_breaks,
     first=Version("0.19.0"),
     last=None,
+    wraps=(
+        "deepspeed.runtime.engine:DeepSpeedEngine.compile",
+        "transformers.configuration_utils:PreTrainedConfig.to_dict",
+    ),
 )
 
 PATCHES: List[Patch] = [HF_CHECKPOINT_GRAPH_BREAKS]

@@ -258,6 +258,7 @@ HF_TRAINER_ZERO3_FLOS = Patch(
     summary="transformers.Trainer.floating_point_ops counts ZeRO-3 params by ds_numel (it counted "
             "0 for every partitioned one), once per model structure instead of two walks a step",
     apply=patch_trainer_flos,
+    wraps=("transformers.trainer:Trainer.floating_point_ops",),
     first=Version("0.19.0"),
     last=None,
 )
@@ -267,6 +268,7 @@ ENGINE_TRAIN_UNCHANGED_MODE = Patch(
     summary="DeepSpeedEngine.train(mode) skips the walk of every module when all already are in "
             "mode and none has a train() of its own (HF Trainer calls it every micro-step)",
     apply=patch_engine_train,
+    wraps=("deepspeed.runtime.engine:DeepSpeedEngine.train",),
     first=Version("0.19.0"),
     last=None,
 )
@@ -276,6 +278,7 @@ ENGINE_ZERO_GRAD_PARAM_LIST = Patch(
     summary="DeepSpeedEngine.zero_grad clears .grad over a kept parameter list instead of a "
             "named_parameters() walk (HF Trainer calls it every step)",
     apply=patch_engine_zero_grad,
+    wraps=("deepspeed.runtime.engine:DeepSpeedEngine.zero_grad",),
     first=Version("0.19.0"),
     last=None,
 )

@@ -33,17 +33,29 @@ from packaging.version import Version
 
 from . import Patch
 
-__all__ = ["OPTIONAL_MODULES", "all_patches", "patches_for"]
+__all__ = ["PATCH_MODULES", "OPTIONAL_MODULES", "all_patches", "patches_for"]
 
 log = logging.getLogger(__name__)
 
+# The modules of this package whose ``PATCHES`` install() applies, in this order. A new patch
+# module is one more name here (the test suite fails on a module with PATCHES not listed).
+PATCH_MODULES = (
+    "ds_z3native.compat.deepcompile_frozen",
+    "ds_z3native.compat.hf_graph_breaks",
+    "ds_z3native.compat.deepcompile_eager",
+    "ds_z3native.compat.deepcompile_prefetch",
+    "ds_z3native.compat.deepcompile_graph_ids",
+    "ds_z3native.compat.deepcompile_profile_store",
+    "ds_z3native.compat.deepcompile_schedule",
+    "ds_z3native.compat.deepcompile_aot",
+    "ds_z3native.compat.cpu_accelerator",
+    "ds_z3native.compat.gloo_collectives",
+    "ds_z3native.compat.hf_trainer_loop",
+)
 OPTIONAL_MODULES = ("ds_z3native.compat.checkpoint_recompute",)
 
 
-def _optional_patches(module_name: str) -> List[Patch]:
-    if importlib.util.find_spec(module_name) is None:
-        log.debug("%s is not installed; its patches are skipped", module_name)
-        return []
+def _module_patches(module_name: str) -> List[Patch]:
     patches = list(importlib.import_module(module_name).PATCHES)
     bad = [p for p in patches if not isinstance(p, Patch)]
     if bad:
@@ -51,18 +63,18 @@ def _optional_patches(module_name: str) -> List[Patch]:
     return patches
 
 
+def _optional_patches(module_name: str) -> List[Patch]:
+    if importlib.util.find_spec(module_name) is None:
+        log.debug("%s is not installed; its patches are skipped", module_name)
+        return []
+    return _module_patches(module_name)
+
+
 def all_patches() -> List[Patch]:
     """Every known patch, whatever DeepSpeed version it targets."""
-    from . import (cpu_accelerator, deepcompile_aot, deepcompile_eager, deepcompile_frozen,
-                   deepcompile_graph_ids, deepcompile_prefetch, deepcompile_profile_store,
-                   deepcompile_schedule, gloo_collectives, hf_graph_breaks, hf_trainer_loop)
-
-    patches = (list(deepcompile_frozen.PATCHES) + list(hf_graph_breaks.PATCHES)
-               + list(deepcompile_eager.PATCHES) + list(deepcompile_prefetch.PATCHES)
-               + list(deepcompile_graph_ids.PATCHES) + list(deepcompile_profile_store.PATCHES)
-               + list(deepcompile_schedule.PATCHES) + list(deepcompile_aot.PATCHES)
-               + list(cpu_accelerator.PATCHES) + list(gloo_collectives.PATCHES)
-               + list(hf_trainer_loop.PATCHES))
+    patches: List[Patch] = []
+    for name in PATCH_MODULES:
+        patches += _module_patches(name)
     for name in OPTIONAL_MODULES:
         patches += _optional_patches(name)
     names = [p.name for p in patches]

@@ -218,18 +218,16 @@ def _on_cpu() -> bool:
 
 
 def cpu_deepspeed() -> None:
-    """DeepSpeed on the CPU accelerator: no JIT build of its shared-memory comm op, and a device
-    string DeepCompile's profiler can parse (the CPU accelerator answers a bare index).
-    DeepSpeed >= 0.19.3's profiler then falls back to default estimates; 0.19.0 - 0.19.2's needs
-    CUDA events, and with host stand-ins it deadlocks in its own gloo all_reduce under the Python
-    dispatcher (seen with torch 2.13), so DeepCompile on the CPU starts at 0.19.3."""
+    """DeepSpeed on the CPU accelerator without a JIT build of its shared-memory comm op.
+    DeepCompile's passes also need a device string they can parse, which ``install()``'s
+    ``deepcompile-cpu-device`` patch gives them (DeepSpeed >= 0.19.3: its profiler then falls back
+    to default estimates; 0.19.0 - 0.19.2's needs CUDA events, and with host stand-ins it
+    deadlocks in its own gloo all_reduce under the Python dispatcher, seen with torch 2.13, so
+    DeepCompile on the CPU starts at 0.19.3)."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    accelerator = type(get_accelerator())
-    accelerator.current_device = lambda self: "cpu"
 
 
 def _evaluate(engine: Any, args: Any, llama: bool, dtype: Any, device: Any, step: int) -> float:

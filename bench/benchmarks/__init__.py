@@ -9,9 +9,7 @@ from typing import Dict
 from bench.benchmarks import deepcompile_first_step, lora_llama, native_micro
 from bench.core.registry import Benchmark, registered
 
-__all__ = ["registry"]
-
-_MODULES = (deepcompile_first_step, lora_llama, native_micro)
+__all__ = ["registry", "deepcompile_first_step", "lora_llama", "native_micro"]
 
 
 def registry() -> Dict[str, Benchmark]:

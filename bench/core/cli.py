@@ -127,12 +127,11 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
         return 2
     variants = None
     if args.variants is not None:
-        known = LORA_VARIANTS
         variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-        unknown_variants = [v for v in variants if v not in known]
+        unknown_variants = [v for v in variants if v not in LORA_VARIANTS]
         if names != ["lora_llama"] or not variants or unknown_variants or args.smoke:
             print(f"--variants applies to a full lora_llama run and takes names from "
-                  f"{', '.join(known)}; got {args.variants!r} for {args.name!r}", file=sys.stderr)
+                  f"{', '.join(LORA_VARIANTS)}; got {args.variants!r} for {args.name!r}", file=sys.stderr)
             return 2
         try:
             check_lora_variants(variants)

@@ -1,8 +1,8 @@
-"""``python -m bench <name|all> [--smoke] [--output-dir DIR]``: see ``bench.suite``."""
+"""``python -m bench <name|all> [--smoke] [--output-dir DIR]``: see ``bench.core.cli``."""
 
 import sys
 
-from bench.suite import main
+from bench.core.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -806,7 +806,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["merge"]:
-        p = argparse.ArgumentParser(prog="eager_lora.py merge")
+        p = argparse.ArgumentParser(prog="lora_llama.py merge")
         p.add_argument("inputs", type=Path, nargs="+")
         p.add_argument("--output", type=Path, required=True)
         m = p.parse_args(argv[1:])

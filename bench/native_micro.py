@@ -25,7 +25,8 @@ allgather/wait/release triple on a persistent param already gathered (``kept``: 
 bookkeeping only) and of the smallest non-persistent one (``gathered``: a real all-gather and
 free each time), over 2,000 calls each, after the steps.
 
-``python -m bench native_micro [--smoke]`` runs it through the suite;
+``python -m bench native_micro [--smoke]`` runs it through the suite
+(``bench/benchmarks/native_micro.py`` registers it);
 ``python -m bench.native_micro --impl ours --ranks 2 --smoke --output x.json`` runs one
 implementation alone.
 """
@@ -50,13 +51,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ds_z3native._net import free_port
-from bench.suite import (BenchContext, Benchmark, Command, peak_memory_gib, register, summarize,
-                         versions)
+from bench.core.schema import peak_memory_gib, summarize, versions
 
 log = logging.getLogger("bench.native_micro")
 
 __all__ = ["ParamSpec", "MicroConfig", "make_params", "deepspeed_op_available", "run_impl",
-           "run", "smoke", "commands", "main"]
+           "measure", "main"]
 
 GRAPH = 0
 # Calls per probe of the op calls' host cost (_Driver.probe).
@@ -518,7 +518,9 @@ def _setup(cfg: MicroConfig, params: Sequence[ParamSpec]) -> Dict[str, Any]:
     }
 
 
-def _bench(cfg: MicroConfig, timeout: float) -> Dict[str, Any]:
+def measure(cfg: MicroConfig, timeout: float) -> Dict[str, Any]:
+    """Both implementations at ``cfg`` (DeepSpeed's where its op is available and the run is not
+    a smoke run): the result's setup, versions and runs."""
     params = make_params(cfg)
     runs: Dict[str, Any] = {"ours": run_impl("ours", cfg, timeout)}
     ok, reason = deepspeed_op_available()
@@ -528,34 +530,6 @@ def _bench(cfg: MicroConfig, timeout: float) -> Dict[str, Any]:
                          {"variant": "deepspeed", "status": "not_available", "reason": reason})
     device = runs["ours"].get("device") or ("cpu" if cfg.smoke else None)
     return {"setup": _setup(cfg, params), "versions": versions(device), "runs": runs}
-
-
-def run(ctx: BenchContext) -> Dict[str, Any]:
-    """The full benchmark (GPU host: NCCL; CPU: gloo at full size)."""
-    return _bench(MicroConfig.for_mode(False, ctx.ranks, ctx.steps), ctx.timeout)
-
-
-def smoke(ctx: BenchContext) -> Dict[str, Any]:
-    """Toy size on CPU over gloo (2 ranks unless ``ctx.ranks``)."""
-    return _bench(MicroConfig.for_mode(True, ctx.ranks, ctx.steps), min(ctx.timeout, 600.0))
-
-
-def commands(ctx: BenchContext) -> List[Command]:
-    """The GPU plan: one process that runs both implementations (each in ranks of its own)."""
-    out = ctx.output_dir / "native_micro.json"
-    argv = [sys.executable, "-m", "bench", "native_micro", "--output-dir", str(ctx.output_dir)]
-    if ctx.ranks:
-        argv += ["--ranks", str(ctx.ranks)]
-    if ctx.steps:
-        argv += ["--steps", str(ctx.steps)]
-    return [Command(argv, label="native_micro", output=out)]
-
-
-register(Benchmark(
-    name="native_micro",
-    description="native reduce/gather: 500 params, 90% frozen, one graph; ours vs DeepSpeed's "
-                "dc op: ms/step, collectives, persistent-frozen all-gather bytes",
-    baseline=("deepspeed", "ours"), commands=commands, run=run, smoke=smoke))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

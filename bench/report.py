@@ -1,6 +1,6 @@
 """Benchmark tables and plot from the benchmark results: ``python -m bench.report``.
 
-Reads every ``bench/results/*.json`` (suite results, and ``bench/eager_lora.py merge`` output;
+Reads every ``bench/results/*.json`` (suite results, and ``bench/lora_llama.py merge`` output;
 smoke results are skipped unless ``--include-smoke``), then
 
 * rewrites the full tables, one per benchmark with its footnote, between
@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from bench.suite import (RESULTS_DIR, ROOT, add_ratios, metric_value, run_deepspeed, run_ok,
-                         run_variant)
+from bench.core.schema import (RESULTS_DIR, ROOT, add_ratios, metric_value, run_deepspeed, run_ok,
+                               run_variant)
 
 log = logging.getLogger("bench.report")
 
@@ -41,13 +41,12 @@ END = "<!-- bench-table:end -->"
 SUMMARY_BEGIN = "<!-- bench-summary:begin -->"
 SUMMARY_END = "<!-- bench-summary:end -->"
 TABLES = ROOT / "docs" / "benchmarks.md"
-ORDER = ("deepcompile_first_step", "native_micro", "lora_llama", "lora_llama_ws2", "eager_lora")
-# Ratio baselines of results written without one (e.g. eager_lora.py's merge output).
+ORDER = ("deepcompile_first_step", "native_micro", "lora_llama", "lora_llama_ws2")
+# Ratio baselines of results written without one (e.g. lora_llama.py's merge output).
 BASELINES: Dict[str, Tuple[Tuple[str, ...], bool]] = {
     "deepcompile_first_step": (("deepspeed-jit",), True),
     "native_micro": (("deepspeed", "ours"), False),
     "lora_llama": (("upstream", "none", "plain"), False),
-    "eager_lora": (("upstream", "none", "plain"), False),
 }
 
 
@@ -327,7 +326,7 @@ def _generic(result: Mapping[str, Any]) -> List[str]:
 
 _FORMATTERS: Dict[str, Callable[[Mapping[str, Any]], List[str]]] = {
     "deepcompile_first_step": _first_step, "native_micro": _native_micro,
-    "lora_llama": _lora, "eager_lora": _lora}
+    "lora_llama": _lora}
 
 
 def render_block(results: Mapping[str, Mapping[str, Any]]) -> str:
@@ -435,7 +434,7 @@ def _summary_lora(result: Mapping[str, Any]) -> List[List[str]]:
 
 _SUMMARIES: Dict[str, Callable[[Mapping[str, Any]], List[List[str]]]] = {
     "deepcompile_first_step": _summary_first_step, "native_micro": _summary_native_micro,
-    "lora_llama": _summary_lora, "eager_lora": _summary_lora}
+    "lora_llama": _summary_lora}
 
 
 def render_summary(results: Mapping[str, Mapping[str, Any]], tables: str = "docs/benchmarks.md"

@@ -123,8 +123,8 @@ def _fixture_results(d: Path) -> None:
         "ours@0.19.2": {"first_step_s": {"median": 5.4, "min": 5.4, "max": 5.4, "n": 1}},
         "deepspeed-jit@0.19.2": {"status": "failed", "error": "KeyError: 0",
                                  "error_where": "engine.compile()"}}}
-    # bench/eager_lora.py merge output: no ratios, no status, one failed run, fields missing.
-    lora = {"bench": "eager_lora", "runs": {
+    # bench/lora_llama.py merge output: no ratios, no status, one failed run, fields missing.
+    lora = {"bench": "lora_llama", "runs": {
         "upstream@0.19.8": {"variant": "upstream", "step_ms": {"median": 200.0, "min": 190.0,
                                                                "max": 210.0},
                             "peak_gib": 20.0, "versions": {"deepspeed": "0.19.8"},
@@ -138,7 +138,7 @@ def _fixture_results(d: Path) -> None:
         "upstream@0.19.2": {"variant": "upstream", "error": "Traceback ...\nCheckpointError: x",
                             "versions": {"deepspeed": "0.19.2"}}}}
     (d / "deepcompile_first_step.json").write_text(json.dumps(first))
-    (d / "eager_lora.json").write_text(json.dumps(lora))
+    (d / "lora_llama.json").write_text(json.dumps(lora))
     (d / "native_micro.json").write_text(json.dumps({"bench": "native_micro", "mode": "smoke",
                                                      "runs": {}}))
     (d / "notes.json").write_text(json.dumps({"something": "else"}))
@@ -288,14 +288,14 @@ def test_a_hung_command_is_stopped_with_its_tracebacks_and_its_children(
     # A launcher-like parent whose child (a rank, in a session of its own as torchrun starts
     # them) never ends: past the timeout both are gone, and the log (echoed to the caller) holds
     # each one's traceback.
-    from bench.suite import Command, _alive, run_command
+    from bench.core.runner import Command, _alive, run_command
 
     pid_file = tmp_path / "child.pid"
     child = "import os, time; open(%r, 'w').write(str(os.getpid())); time.sleep(3600)" % str(pid_file)
     parent = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', %r], "
               "start_new_session=True); time.sleep(3600)" % child)
     env = {"PYTHONFAULTHANDLER": "0"}  # no setting switches the tracebacks off
-    with caplog.at_level("INFO", logger="bench.suite"):
+    with caplog.at_level("INFO", logger="bench.core.runner"):
         code = run_command(Command([sys.executable, "-c", parent], label="hangs", env=env),
                            tmp_path, timeout=4.0, progress_every=1.0)
     assert code == 124
@@ -405,7 +405,7 @@ def test_lora_merge_keeps_one_setup_per_file(tmp_path: Path) -> None:
 def test_trainer_run_is_measured_against_our_loop_of_the_same_run(tmp_path: Path) -> None:
     from bench import report
     from bench.lora_llama import merge
-    from bench.suite import check_lora_variants
+    from bench.benchmarks.lora_llama import check_lora_variants
 
     def record(variant: str, median: float, run: str) -> Path:
         path = tmp_path / f"{variant}-{run}.json"
@@ -491,7 +491,8 @@ def test_suite_passes_trace_to_each_lora_run_per_deepspeed(tmp_path: Path) -> No
 
 
 def test_a_full_lora_run_adds_two_gpus_where_the_host_has_them(tmp_path: Path) -> None:
-    from bench.suite import BenchContext, contexts_for, registry
+    from bench.benchmarks import registry
+    from bench.core.registry import BenchContext, contexts_for
 
     benches = registry()
     full = BenchContext(output_dir=tmp_path)
@@ -505,7 +506,10 @@ def test_a_full_lora_run_adds_two_gpus_where_the_host_has_them(tmp_path: Path) -
 
 def test_some_lora_variants_rerun_into_the_existing_result(tmp_path: Path) -> None:
     from bench.lora_llama import merge
-    from bench.suite import BenchContext, Command, _lora_merge, _lora_script, add_ratios
+    from bench.benchmarks.lora_llama import _lora_merge, _lora_script
+    from bench.core.registry import BenchContext
+    from bench.core.runner import Command
+    from bench.core.schema import add_ratios
 
     script, _ = _lora_script()
     setup = {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4, "device": "NVIDIA H200"}

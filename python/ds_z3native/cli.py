@@ -80,7 +80,7 @@ def _bench_root() -> Optional[Path]:
     package was installed from in editable mode, else the current directory; None if neither."""
     here = Path(__file__).resolve().parents[2]  # <checkout>/python/ds_z3native/cli.py
     for root in (here, Path(os.getcwd())):
-        if (root / "bench" / "suite.py").is_file():
+        if (root / "bench" / "core" / "cli.py").is_file():
             return root
     return None
 
@@ -96,9 +96,9 @@ def _cmd_bench(argv: List[str]) -> int:
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     try:
-        from bench.suite import main as bench_main
+        from bench.core.cli import main as bench_main
     except ImportError as e:
-        print(f"ds-z3native bench: cannot import bench.suite from {root}: {e}", file=sys.stderr)
+        print(f"ds-z3native bench: cannot import bench.core.cli from {root}: {e}", file=sys.stderr)
         return 2
     return int(bench_main(argv, prog="ds-z3native bench"))
 

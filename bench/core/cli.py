@@ -1,0 +1,167 @@
+"""The CLI behind ``python -m bench <name|all|list> [--smoke] [--output-dir DIR] [--dry-run]``
+(and ``ds-z3native bench``). Every benchmark has
+
+* a GPU command builder (``Benchmark.commands``): the processes that produce its numbers on the
+  GPU host (``--dry-run`` prints them); ``Benchmark.run`` runs them and collects one result;
+* a ``--smoke`` mode (``Benchmark.smoke``): the same code at toy size on CPU (gloo), which CI runs
+  to show that it runs (its timings mean nothing).
+
+Each writes ``<output-dir>/<name>.json`` (format: ``bench.core.schema``); a full run into
+``bench/results`` then regenerates the report (``bench.report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional
+
+from bench.benchmarks import registry
+from bench.benchmarks.lora_llama import check_lora_variants
+from bench.core.registry import BenchContext, Benchmark, contexts_for, finish_result
+from bench.core.schema import RESULTS_DIR, SMOKE_DIR, metric_value, run_ok, write_result
+from bench.lora_llama import VARIANTS as LORA_VARIANTS
+
+log = logging.getLogger("bench.core.cli")
+
+__all__ = ["run_benchmark", "format_runs", "build_parser", "main"]
+
+
+def run_benchmark(bench: Benchmark, ctx: BenchContext) -> Path:
+    """Run ``bench`` (smoke or full as ``ctx`` says) and write its result JSON; the path."""
+    log.info("%s: %s run starting", bench.name, "smoke" if ctx.smoke else "full")
+    start = time.monotonic()
+    result = (bench.smoke if ctx.smoke else bench.run)(ctx)
+    finish_result(bench, result, ctx)
+    path = write_result(result, ctx.output_dir / f"{result['bench']}.json")
+    log.info("%s: done in %.1f s, wrote %s", bench.name, time.monotonic() - start, path)
+    return path
+
+
+def format_runs(result: Mapping[str, Any]) -> str:
+    """A plain-text table of a result's runs (for the terminal)."""
+    lines = [f"{result.get('bench')} ({result.get('mode')}), baseline {result.get('baseline')}"]
+    for key, r in sorted(result.get("runs", {}).items()):
+        step = r.get("step_ms") or {}
+        ratio = (r.get("ratio") or {}).get("step_ms")
+        if not run_ok(r):
+            why = str(r.get("reason") or r.get("error") or "").strip().splitlines() or [""]
+            lines.append(f"  {key:<28} {r.get('status', 'failed')}: {why[-1]}")
+            continue
+        med = metric_value(r, "step_ms")
+        peak = metric_value(r, "peak_gib")
+        lines.append(f"  {key:<28} "
+                     + (f"{med:10.3f} ms [{step.get('min', med):.3f}-{step.get('max', med):.3f}]"
+                        if med is not None else f"{'-':>10}")
+                     + (f"  x{ratio:.2f}" if ratio is not None else "")
+                     + (f"  peak {peak:.3f} GiB" if peak is not None else ""))
+    return "\n".join(lines)
+
+
+def _parse_extra(values: Iterable[str]) -> Dict[str, str]:
+    """``--deepspeed-path VERSION=PATH`` values as ``{version: path}``."""
+    out = {}
+    for v in values:
+        version, sep, path = v.partition("=")
+        if not sep or not version or not path:
+            raise argparse.ArgumentTypeError(f"--deepspeed-path wants VERSION=PATH, got {v!r}")
+        out[version] = path
+    return out
+
+
+def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
+    """The suite's argument parser."""
+    p = argparse.ArgumentParser(
+        prog=prog, description="Run ds_z3native's benchmarks; each writes <output-dir>/<name>.json "
+        "(then `python -m bench.report` regenerates the tables of docs/benchmarks.md, the README's summary and the plot).")
+    p.add_argument("name", help="a benchmark name, 'all', or 'list' (names and descriptions)")
+    p.add_argument("--smoke", action="store_true",
+                   help="toy size on CPU (gloo); what CI runs (default output: bench/results/smoke)")
+    p.add_argument("--output-dir", type=Path, default=None,
+                   help="where the JSON goes (default bench/results, or bench/results/smoke with "
+                        "--smoke)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the GPU plan's commands instead of running them")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (benchmark's default)")
+    p.add_argument("--repeats", type=int, default=None, help="repeated runs where a benchmark "
+                                                               "repeats whole processes")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="ranks, one GPU each (native_micro; lora_llama: runs under "
+                        "torch.distributed.run and writes lora_llama_ws<N>.json)")
+    p.add_argument("--deepspeed-path", action="append", default=[], metavar="VERSION=PATH",
+                   help="another DeepSpeed to run 'ours' on, prepended to PYTHONPATH (e.g. "
+                        "0.19.2=/tmp/ds192); repeatable")
+    p.add_argument("--timeout", type=float, default=3600.0, help="per process, seconds")
+    p.add_argument("--variants", default=None, metavar="A,B",
+                   help="lora_llama: run only these variants and merge them into the existing "
+                        "result file (its other runs stay)")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="lora_llama: profile two more steps of each variant after its timed ones "
+                        "(torch.profiler; DIR/<deepspeed>/<variant>-rank<r>.json and -top.txt)")
+    p.add_argument("--no-report", action="store_true",
+                   help="do not regenerate the benchmark tables and plot afterwards (a full run "
+                        "into bench/results does by default)")
+    p.add_argument("-v", "--verbose", action="store_true", help="DEBUG logging")
+    return p
+
+
+def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int:
+    """The suite's CLI; exit code 0 when every run benchmark wrote its JSON."""
+    args = build_parser(prog).parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(name)s: %(message)s")
+    benches = registry()
+    if args.name == "list":
+        for name, b in sorted(benches.items()):
+            print(f"{name:<24} {b.description}")
+        return 0
+    names = sorted(benches) if args.name == "all" else [args.name]
+    unknown = [n for n in names if n not in benches]
+    if unknown:
+        print(f"unknown benchmark {unknown[0]!r}; known: {', '.join(sorted(benches))}",
+              file=sys.stderr)
+        return 2
+    variants = None
+    if args.variants is not None:
+        variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown_variants = [v for v in variants if v not in LORA_VARIANTS]
+        if names != ["lora_llama"] or not variants or unknown_variants or args.smoke:
+            print(f"--variants applies to a full lora_llama run and takes names from "
+                  f"{', '.join(LORA_VARIANTS)}; got {args.variants!r} for {args.name!r}", file=sys.stderr)
+            return 2
+        try:
+            check_lora_variants(variants)
+        except ValueError as e:
+            print(f"--variants: {e}", file=sys.stderr)
+            return 2
+    ctx = BenchContext(output_dir=args.output_dir or (SMOKE_DIR if args.smoke else RESULTS_DIR),
+                       smoke=args.smoke, steps=args.steps, repeats=args.repeats, ranks=args.ranks,
+                       extra_deepspeed=_parse_extra(args.deepspeed_path), timeout=args.timeout,
+                       variants=variants, trace=args.trace)
+    if args.dry_run:
+        for name in names:
+            for run_ctx in contexts_for(benches[name], ctx):
+                print(f"# {name}" + (f" ({run_ctx.ranks} ranks)" if run_ctx.ranks else ""))
+                for cmd in benches[name].commands(run_ctx):
+                    print(cmd.shell())
+        return 0
+    code = 0
+    for name in names:
+        for run_ctx in contexts_for(benches[name], ctx):
+            try:
+                path = run_benchmark(benches[name], run_ctx)
+            except Exception:  # noqa: BLE001 - one failing benchmark does not stop the others
+                log.exception("%s failed", name)
+                code = 1
+                continue
+            print(format_runs(json.loads(path.read_text())))
+    if not ctx.smoke and not args.no_report and ctx.output_dir.resolve() == RESULTS_DIR.resolve():
+        from bench import report
+
+        log.info("regenerating the benchmark tables and plot from %s", RESULTS_DIR)
+        code = report.main([]) or code
+    return code

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import importlib.resources
 import logging
+import os
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 __all__ = ["OP_LIST_NAME", "Argument", "DcOp", "OpListError", "parse_schema", "parse_op_list",
            "load_op_list", "graph_id_position", "DC_OPS"]
@@ -175,16 +177,18 @@ def parse_op_list(text: str, source: str) -> Tuple[DcOp, ...]:
     return tuple(ops)
 
 
-def load_op_list() -> Tuple[DcOp, ...]:
-    """The ops of the op list installed with this package."""
-    path = importlib.resources.files(__package__).joinpath(OP_LIST_NAME)
+def load_op_list(path: Optional[Union[str, os.PathLike]] = None) -> Tuple[DcOp, ...]:
+    """The ops of the op list at ``path`` (default: the one installed with this package)."""
+    source = (Path(path) if path is not None
+              else importlib.resources.files(__package__).joinpath(OP_LIST_NAME))
     try:
-        text = path.read_text(encoding="utf-8")
+        text = source.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise OpListError(str(path), None, "missing: the package was installed without its "
-                          "package data (setup.py's package_data names the file)") from None
-    ops = parse_op_list(text, str(path))
-    log.debug("%d dc ops listed in %s", len(ops), path)
+        problem = ("no such file" if path is not None else "missing: the package was installed "
+                   "without its package data (setup.py's package_data names the file)")
+        raise OpListError(str(source), None, problem) from None
+    ops = parse_op_list(text, str(source))
+    log.debug("%d dc ops listed in %s", len(ops), source)
     return ops
 
 

@@ -13,7 +13,7 @@ import importlib
 import logging
 import re
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
 import torch
@@ -91,12 +91,13 @@ def _built_tuple(function: ast.AST, name: str, before: int) -> Optional[List[ast
     ``before``: ``name = (...)``, then ``name += (...)``, or ``for a in [...]: name += (a, )``
     (one element per item of the literal)."""
     elements: Optional[List[ast.expr]] = None
-    looped = set()
+    looped: Set[ast.AST] = set()
     statements = sorted((n for n in ast.walk(function)
                          if isinstance(n, (ast.Assign, ast.AugAssign, ast.For))
                          and n.lineno < before), key=lambda n: n.lineno)
     for stmt in statements:
-        if isinstance(stmt, ast.Assign) and [getattr(t, "id", None) for t in stmt.targets] == [name]:
+        targets = [getattr(t, "id", None) for t in getattr(stmt, "targets", ())]
+        if isinstance(stmt, ast.Assign) and targets == [name]:
             elements = list(stmt.value.elts) if isinstance(stmt.value, ast.Tuple) else None
         elif isinstance(stmt, ast.For) and isinstance(stmt.iter, (ast.List, ast.Tuple)) \
                 and elements is not None:
@@ -161,7 +162,8 @@ def test_graph_id_positions_are_where_deepspeeds_passes_put_the_graph_id() -> No
         if not args:
             unread.append(f"{where}: {op}")
             continue
-        positions = [i for i, a in enumerate(args) if isinstance(a, ast.Name) and a.id == "graph_id"]
+        positions = [i for i, a in enumerate(args)
+                     if isinstance(a, ast.Name) and a.id == "graph_id"]
         seen.setdefault(op, []).append(where)
         expected = [gid.GRAPH_ID_ARG[op]] if op in gid.GRAPH_ID_ARG else []
         assert positions == expected, (

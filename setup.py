@@ -31,6 +31,9 @@ except ImportError as e:  # pragma: no cover - a build-time message
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
+# The package root is an include dir too: csrc/ops includes the dc op list the package ships
+# (#include "ds_z3native/dc_ops.def"), the one source of the ops for C++ and Python.
+PACKAGE_ROOT = os.path.join(HERE, "python")
 
 
 def _load_cuda_discovery():
@@ -72,9 +75,9 @@ def cxx_std_flag():
 
 
 def cuda_include_dirs(runtime, nccl):
-    """The extension's include dirs for the CUDA flavour: csrc/, the CUDA runtime's (with CCCL),
-    NCCL's."""
-    return list(dict.fromkeys([CSRC, *runtime.include_dirs, nccl.include_dir]))
+    """The extension's include dirs for the CUDA flavour: csrc/, the package root (the op list),
+    the CUDA runtime's (with CCCL), NCCL's."""
+    return list(dict.fromkeys([CSRC, PACKAGE_ROOT, *runtime.include_dirs, nccl.include_dir]))
 
 
 def probe_cuda_headers(discovery, runtime, nccl):
@@ -172,7 +175,7 @@ def extension():
         ("DSZ_CUDA_SOURCE", f'"{PLAN.runtime.kind if cuda else ""}"'),
         ("DSZ_CPU_REASON", f'"{PLAN.cpu_reason}"'),
     ]
-    kwargs = dict(include_dirs=[CSRC], extra_compile_args={"cxx": list(CXX_FLAGS)},
+    kwargs = dict(include_dirs=[CSRC, PACKAGE_ROOT], extra_compile_args={"cxx": list(CXX_FLAGS)},
                   extra_link_args=shared_libstdcxx_args())
     if not cuda:
         return cpp_extension.CppExtension("ds_z3native._C", sources, define_macros=macros, **kwargs)
@@ -242,8 +245,9 @@ setup(
     package_dir={"": "python"},
     packages=find_packages("python"),
     py_modules=["ds_z3native_autoload"],
-    # The fingerprints of the code the patches wrap, per DeepSpeed release (compat/fingerprints.py).
-    package_data={"ds_z3native.compat": ["fingerprints.json"]},
+    # The dc op list (read by ds_z3native.dc_ops; the C++ sources include it) and the fingerprints
+    # of the code the patches wrap, per DeepSpeed release (compat/fingerprints.py).
+    package_data={"ds_z3native": ["dc_ops.def"], "ds_z3native.compat": ["fingerprints.json"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExt, "build_py": build_py_with_autoload},
     python_requires=">=3.9",

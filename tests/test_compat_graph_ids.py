@@ -8,9 +8,12 @@ with the same inductor cache directory is served by inductor's FX-graph cache.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import logging
 import re
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ import torch.fx as fx
 
 import ds_z3native
 from ds_z3native.compat import deepcompile_graph_ids as gid
+from ds_z3native.compat.contract import deepspeed_root
+from ds_z3native.dc_ops import DC_OPS
 from helpers.native_rt import live_runtime, local_group
 
 DS_GRAPH = 139_872_412_000_016  # what id(gm.graph) looks like
@@ -58,6 +63,141 @@ def test_graph_id_positions_match_the_native_schemas() -> None:
         args = getattr(torch.ops.dc, name).default._schema.arguments
         assert str(args[pos].type) == "int", (name, str(args[pos].type))
         assert args[pos].name in ("graph_id", "id"), name
+    # Every op of the list taking an int named graph_id is listed at that position.
+    for op in DC_OPS:
+        named = [i for i, a in enumerate(op.arguments) if a.name == "graph_id"]
+        assert named == ([gid.GRAPH_ID_ARG[op.name]] if named else []), op.name
+
+
+# ---- where DeepSpeed's passes put the graph id --------------------------------------------------
+
+# DeepSpeed's helpers that insert a node calling `fn` on (the node, *extra_args).
+_EXTRA_ARGS_HELPERS = {"add_postprocess", "add_args_process"}
+
+
+def _dc_op_name(node: ast.AST) -> Optional[str]:
+    """``name`` for the expression ``torch.ops.dc.name`` or ``torch.ops.dc.name.default``."""
+    if isinstance(node, ast.Attribute) and node.attr == "default":
+        node = node.value
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+            and node.value.attr == "dc" and isinstance(node.value.value, ast.Attribute) \
+            and node.value.value.attr == "ops":
+        return node.attr
+    return None
+
+
+def _built_tuple(function: ast.AST, name: str, before: int) -> Optional[List[ast.expr]]:
+    """The elements of the tuple that ``function`` builds in the variable ``name`` before line
+    ``before``: ``name = (...)``, then ``name += (...)``, or ``for a in [...]: name += (a, )``
+    (one element per item of the literal)."""
+    elements: Optional[List[ast.expr]] = None
+    looped: Set[ast.AST] = set()
+    statements = sorted((n for n in ast.walk(function)
+                         if isinstance(n, (ast.Assign, ast.AugAssign, ast.For))
+                         and n.lineno < before), key=lambda n: n.lineno)
+    for stmt in statements:
+        targets = [getattr(t, "id", None) for t in getattr(stmt, "targets", ())]
+        if isinstance(stmt, ast.Assign) and targets == [name]:
+            elements = list(stmt.value.elts) if isinstance(stmt.value, ast.Tuple) else None
+        elif isinstance(stmt, ast.For) and isinstance(stmt.iter, (ast.List, ast.Tuple)) \
+                and elements is not None:
+            for inner in stmt.body:
+                if isinstance(inner, ast.AugAssign) and getattr(inner.target, "id", None) == name:
+                    looped.add(inner)
+                    elements += list(stmt.iter.elts)
+        elif isinstance(stmt, ast.AugAssign) and stmt not in looped and elements is not None \
+                and getattr(stmt.target, "id", None) == name:
+            if not isinstance(stmt.value, ast.Tuple):
+                return None
+            elements += list(stmt.value.elts)
+    return elements
+
+
+def _node_arguments(call: ast.Call, function: ast.AST) -> Optional[Tuple[str, List[ast.expr]]]:
+    """(dc op, argument expressions) of a call that inserts a dc op node into an FX graph
+    (``create_node``, ``call_function``, DeepSpeed's extra-args helpers), or None for any other
+    call; the argument list is empty where it cannot be read."""
+    method = getattr(call.func, "attr", getattr(call.func, "id", None))
+    positional = list(call.args)
+    op = next((name for name in map(_dc_op_name, positional) if name is not None), None)
+    if op is None or method not in {"create_node", "call_function"} | _EXTRA_ARGS_HELPERS:
+        return None
+    keywords = {k.arg: k.value for k in call.keywords if k.arg}
+    if method in _EXTRA_ARGS_HELPERS:
+        extra = keywords.get("extra_args")
+        elts = list(extra.elts) if isinstance(extra, (ast.List, ast.Tuple)) else []
+        return op, [ast.Name("<the node>")] + elts if elts else []
+    after = positional[[_dc_op_name(a) for a in positional].index(op) + 1:]
+    given = keywords.get("args", after[0] if after else None)
+    if isinstance(given, ast.Tuple):
+        return op, list(given.elts)
+    if isinstance(given, ast.Name):
+        return op, _built_tuple(function, given.id, call.lineno) or []
+    return op, []
+
+
+def _deepspeed_dc_nodes(root: Path) -> Iterator[Tuple[str, str, List[ast.expr]]]:
+    """(where, dc op, argument expressions) of each dc op node DeepSpeed's compile passes add."""
+    for path in sorted((root / "compile").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for call in ast.walk(function):
+                found = _node_arguments(call, function) if isinstance(call, ast.Call) else None
+                if found is not None:
+                    yield f"{path.relative_to(root.parent)}:{call.lineno}", found[0], found[1]
+
+
+@pytest.mark.deepspeed
+def test_graph_id_positions_are_where_deepspeeds_passes_put_the_graph_id() -> None:
+    root = deepspeed_root()
+    assert root is not None
+    listed = {op.name for op in DC_OPS}
+    seen: Dict[str, List[str]] = {}
+    unread = []
+    for where, op, args in _deepspeed_dc_nodes(root):
+        if op not in listed:
+            continue  # DeepSpeed's own dc ops (optimizer-state offload)
+        if not args:
+            unread.append(f"{where}: {op}")
+            continue
+        positions = [i for i, a in enumerate(args)
+                     if isinstance(a, ast.Name) and a.id == "graph_id"]
+        seen.setdefault(op, []).append(where)
+        expected = [gid.GRAPH_ID_ARG[op]] if op in gid.GRAPH_ID_ARG else []
+        assert positions == expected, (
+            f"{where}: DeepSpeed passes graph_id to dc::{op} at {positions}, GRAPH_ID_ARG "
+            f"says {expected}")
+    assert not unread, f"dc op nodes whose arguments the test cannot read: {unread}"
+    # Every op with a graph id is one DeepSpeed's passes insert (so each position was checked).
+    assert sorted(set(gid.GRAPH_ID_ARG) - set(seen)) == [], seen
+
+
+def test_the_deepspeed_reader_reads_every_form_of_node_insertion() -> None:
+    source = """
+def passes(graph, gm, node, graph_id, ds_id, value_id, ids):
+    graph.create_node("call_function", torch.ops.dc.end_backward.default, ([node], graph_id, True))
+    graph.call_function(torch.ops.dc.prefetch_params_fused.default, args=(graph_id, [node], ids))
+    add_postprocess(graph, node, torch.ops.dc.reduce_grad.default, extra_args=[graph_id, ds_id])
+    args = (node, )
+    for a in [graph_id, ds_id]:
+        args += (a, )
+    gm.graph.create_node("call_function", torch.ops.dc.offload_parameter.default, args, {})
+    register_fallback(torch.ops.dc.wait_reload.default, never_reuse_output=True)
+    graph.create_node("call_function", torch.ops.dc.free_tensors.default, unknown, {})
+"""
+    function = ast.parse(source).body[0]
+    read = [_node_arguments(call, function) for call in ast.walk(function)
+            if isinstance(call, ast.Call)]
+    read = [(op, [getattr(a, "id", "...") for a in args]) for op, args in filter(None, read)]
+    assert read == [
+        ("end_backward", ["...", "graph_id", "..."]),
+        ("prefetch_params_fused", ["graph_id", "...", "ids"]),
+        ("reduce_grad", ["<the node>", "graph_id", "ds_id"]),
+        ("offload_parameter", ["node", "graph_id", "ds_id"]),
+        ("free_tensors", []),
+    ]
 
 
 def test_every_graph_id_of_the_graph_is_replaced_and_nothing_else() -> None:

@@ -1,5 +1,6 @@
-"""``torch.library.opcheck`` on every dc op that has a Meta kernel, with real samples on a live
-one-rank gloo runtime (params and a graph registered, gathers and gradients in flight).
+"""``torch.library.opcheck`` on every dc op of the op list (``ds_z3native/dc_ops.def``, from which
+the extension registers each op and its Meta kernel), with real samples on a live one-rank gloo
+runtime (params and a graph registered, gathers and gradients in flight).
 
 The ops are stateful (a gather marks a param gathered, a gradient is queued in a bucket), and
 opcheck's sub-tests each run the op one or more times; so every sample is rebuilt on a fresh
@@ -16,11 +17,11 @@ import pytest
 import torch
 
 import ds_z3native
+from ds_z3native.dc_ops import DC_OPS
 from helpers.native_rt import compile_config, live_runtime
 
 UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
          "test_aot_dispatch_dynamic")
-FRAGMENT_OPS = {"offload_opt_launch", "reload_opt", "opt_empty_cache", "reload_copy_stream_sync"}
 GRAPH = 0
 THRESHOLD = 10  # free_activation_threshold of the runtime the samples run on
 
@@ -238,19 +239,17 @@ SAMPLES: Dict[str, List[Sample]] = {
 }
 
 
-def _ops_with_meta_kernel() -> List[str]:
+OPS = [op.name for op in DC_OPS]
+
+
+def test_every_listed_op_has_a_meta_kernel_and_samples() -> None:
     ds_z3native.native()
-    names = sorted(s.name.split("::", 1)[1] for s in torch._C._jit_get_all_schemas()
-                   if s.name.startswith("dc::"))
-    return [n for n in names if n not in FRAGMENT_OPS
-            and torch._C._dispatch_has_kernel_for_dispatch_key(f"dc::{n}", "Meta")]
-
-
-OPS = _ops_with_meta_kernel()
-
-
-def test_all_fourteen_ops_are_checked() -> None:
-    assert len(OPS) == 14, OPS
+    missing = [name for name in OPS
+               if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dc::{name}", "Meta")]
+    assert not missing, f"no Meta kernel for {missing}"
+    assert sorted(SAMPLES) == sorted(OPS), (
+        f"no samples for {sorted(set(OPS) - set(SAMPLES))}, "
+        f"samples of unlisted ops {sorted(set(SAMPLES) - set(OPS))}")
 
 
 @pytest.mark.parametrize("op_name", OPS)

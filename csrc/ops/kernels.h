@@ -1,5 +1,6 @@
-// Kernels of the dc ops. The device kernels validate nothing themselves: each is a thin call into
-// the runtime, which checks ids and values. The Meta kernels compute shapes only.
+// Kernels of the dc ops (python/ds_z3native/dc_ops.def lists the ops). The device kernels validate
+// nothing themselves: each is a thin call into the runtime, which checks ids and values. The Meta
+// kernels compute shapes only.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -28,19 +29,10 @@ void reload_parameter(const at::Tensor& a, int64_t graph_id, int64_t id);
 void end_backward(const c10::IValue& deps, int64_t graph_id, bool release_reduce_buckets);
 at::Tensor test_call(const at::Tensor& a);
 
-// Meta kernels.
-at::Tensor allgather_param_meta(const at::Tensor& a, int64_t graph_id, int64_t id,
-                                std::optional<at::ScalarType> dtype);
-void prefetch_params_fused_meta(int64_t graph_id, at::TensorList params, at::IntArrayRef ids,
-                                std::optional<std::vector<at::ScalarType>> dtypes);
-at::Tensor wait_allgather_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
-at::Tensor release_param_meta(const at::Tensor& a, int64_t graph_id, int64_t id, int64_t n_users);
-at::Tensor reduce_grad_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
-void free_tensors_meta(at::TensorList a);
-at::Tensor like_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
-void offload_parameter_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
-void reload_parameter_meta(const at::Tensor& a, int64_t graph_id, int64_t id);
-void end_backward_meta(const c10::IValue& deps, int64_t graph_id, bool release_reduce_buckets);
-at::Tensor test_call_meta(const at::Tensor& a);
+// Meta kernels, one per line of the op list, each with its device kernel's type (the list names
+// it; ops shaped like their input share one).
+#define DC_OP(name, schema, meta) decltype(name) meta;
+#include "ds_z3native/dc_ops.def"
+#undef DC_OP
 
 }  // namespace dsz::ops

@@ -84,9 +84,9 @@ def _name_missing_tensor_arguments(flavour: str) -> None:
     set_callback = getattr(torch._C, "_dispatch_set_report_error_callback", None)
     if set_callback is None:  # an older torch: its own message stays
         return
-    from .compat.contract import NATIVE_SCHEMAS  # the ops csrc/ops/schema.cpp defines
+    from .dc_ops import DC_OPS  # the op list csrc/ops/schema.cpp defines the ops from
 
-    for name in (declared.split("(", 1)[0] for declared in NATIVE_SCHEMAS):
+    for name in (op.name for op in DC_OPS):
         schema = torch._C._jit_get_schemas_for_operator(f"dc::{name}")[0]
         tensors = [a.name for a in schema.arguments if isinstance(a.type, torch._C.TensorType)]
         lists = [a.name for a in schema.arguments if isinstance(a.type, torch._C.ListType)

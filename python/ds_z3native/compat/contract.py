@@ -11,9 +11,11 @@ DeepSpeed's side of the contract is read from its installed sources, never assum
   which ours must not define.
 
 Our side is :data:`NATIVE_SCHEMAS` and :data:`NATIVE_FUNCTIONS`, a declaration of what
-``ds_z3native._C`` registers. It is declared (not read from the loaded module) so that the check
-can run *before* ``_C`` is loaded: once loaded, ``torch.ops.dc`` belongs to us for the life of the
-process. :func:`native_interface` reads the same from a loaded module; a test keeps the two equal.
+``ds_z3native._C`` registers: the schemas are read from the op list ``dc_ops.def`` that ``_C``'s
+schemas are compiled from (:mod:`ds_z3native.dc_ops`), the functions are declared here. Neither
+is read from the loaded module, so that the check can run *before* ``_C`` is loaded: once loaded,
+``torch.ops.dc`` belongs to us for the life of the process. :func:`native_interface` reads the
+same from a loaded module; a test keeps the two equal.
 
 :func:`contract_mismatches` compares the two sides and returns one line per difference (empty
 list: compatible). The version gate uses it for DeepSpeed releases newer than the tested range,
@@ -32,6 +34,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
+from ..dc_ops import DC_OPS
+
 __all__ = [
     "NATIVE_SCHEMAS", "NATIVE_FUNCTIONS", "Arity", "CallSite", "DeepSpeedInterface",
     "NativeInterface", "declared_interface", "native_interface", "deepspeed_root",
@@ -40,23 +44,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# What ds_z3native._C registers with TORCH_LIBRARY(dc) (csrc/ops/schema.cpp).
-NATIVE_SCHEMAS: Tuple[str, ...] = (
-    "allgather_param(Tensor a, int graph_id, int id, ScalarType? dtype = None) -> Tensor",
-    "prefetch_params_fused(int graph_id, Tensor[] params, int[] ids, ScalarType[]? dtypes = None) -> ()",
-    "wait_allgather(Tensor(a) a, int graph_id, int id) -> Tensor(a)",
-    "release_param(Tensor(a) a, int graph_id, int id, int n_users) -> Tensor(a)",
-    "reduce_grad(Tensor a, int graph_id, int id) -> Tensor",
-    "free_tensors(Tensor[] a) -> ()",
-    "offload_tensor(Tensor a, int id, int id) -> Tensor",
-    "reload_tensor(Tensor a, int id, int id) -> Tensor",
-    "wait_offload(Tensor a, int id, int id) -> Tensor",
-    "wait_reload(Tensor a, int id, int id) -> Tensor",
-    "offload_parameter(Tensor a, int id, int id) -> ()",
-    "reload_parameter(Tensor a, int id, int id) -> ()",
-    "end_backward(Any deps, int graph_id, bool release_reduce_buckets = True) -> ()",
-    "test_call(Tensor a) -> Tensor",
-)
+# What ds_z3native._C registers with TORCH_LIBRARY(dc): the schemas of the op list, the file
+# csrc/ops/schema.cpp defines them from.
+NATIVE_SCHEMAS: Tuple[str, ...] = tuple(op.schema for op in DC_OPS)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple
 
 from packaging.version import Version
 
+from ..dc_ops import DC_OPS
 from . import Patch, Undo
 from ._rebind import when_module_imported, wrap_function
 
@@ -48,23 +49,12 @@ log = logging.getLogger(__name__)
 
 INDUCTOR_MODULE = "deepspeed.compile.inductor"
 
-# The position of the graph id among each native dc op's arguments (the activation-offload ops
-# call it "int id", like the value id after it). DeepSpeed also defines dc ops of its own
+# The position of the graph id among each native dc op's arguments, read from the schemas of the
+# op list (ds_z3native.dc_ops.graph_id_position: the argument named graph_id, or the first of the
+# offload ops' two "int id"). DeepSpeed also defines dc ops of its own
 # (optimizer-state offload), whose ints are not graph ids: they are not listed.
-GRAPH_ID_ARG: Dict[str, int] = {
-    "allgather_param": 1,
-    "prefetch_params_fused": 0,
-    "wait_allgather": 1,
-    "release_param": 1,
-    "reduce_grad": 1,
-    "end_backward": 1,
-    "offload_tensor": 1,
-    "reload_tensor": 1,
-    "wait_offload": 1,
-    "wait_reload": 1,
-    "offload_parameter": 1,
-    "reload_parameter": 1,
-}
+GRAPH_ID_ARG: Dict[str, int] = {op.name: op.graph_id_arg for op in DC_OPS
+                                if op.graph_id_arg is not None}
 
 
 def canonical_graph_id(native: Any, graph_id: int) -> int:

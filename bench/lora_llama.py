@@ -82,8 +82,10 @@ from packaging.version import Version
 
 try:  # run as bench/lora_llama.py, its folder is on the path; imported as bench.lora_llama
     from bench.conditions import GpuConditions
+    from bench.trace_breakdown import breakdown_file
 except ImportError:
     from conditions import GpuConditions
+    from trace_breakdown import breakdown_file
 
 log = logging.getLogger("bench.lora_llama")
 
@@ -697,22 +699,34 @@ def trace_steps(step: Callable[[], float], directory: Path, label: str, on_gpu: 
                 n: int = 2) -> Dict[str, Any]:
     """Runs ``n`` more steps under ``torch.profiler``; writes ``directory/<label>.json`` (a Chrome
     trace) and ``directory/<label>-top.txt`` (ops by self device time, or self CPU time without a
-    GPU). Returns the two paths and the number of distinct ops profiled."""
+    GPU). Returns the two paths, the number of distinct ops profiled and the per-step
+    ``breakdown`` of :mod:`bench.trace_breakdown` (device busy share, launches by kind, host
+    time in dc ops and in compiled graphs)."""
     from torch.profiler import ProfilerActivity, profile
 
     directory.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    step_ms = []
     with profile(activities=activities) as prof:
         for _ in range(n):
-            step()
+            start = time.perf_counter()
+            step()  # returns the loss as a Python float: the device has finished the step
+            step_ms.append((time.perf_counter() - start) * 1000.0)
     trace = directory / f"{label}.json"
     prof.export_chrome_trace(str(trace))
     averages = prof.key_averages()
     top = directory / f"{label}-top.txt"
     sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     top.write_text(averages.table(sort_by=sort_by, row_limit=40) + "\n")
-    log.info("%s: profiled %d steps: %s, %s", label, n, trace, top)
-    return {"steps": n, "chrome_trace": str(trace), "top_ops": str(top), "ops": len(averages)}
+    split = breakdown_file(trace, n, step_ms)
+    log.info("%s: profiled %d steps (%.1f ms each under the profiler): %s, %s; device busy %s, "
+             "%.0f launches per step, host in dc ops %.1f ms, in compiled graphs' wrapper %.1f ms",
+             label, n, split["wall_ms"], trace, top,
+             "n/a" if split["device_busy_share"] is None else f"{split['device_busy_share']:.0%}",
+             split["launches"]["total"], split["host_ms"]["dc_ops"],
+             split["host_ms"]["graph_wrapper"])
+    return {"steps": n, "chrome_trace": str(trace), "top_ops": str(top), "ops": len(averages),
+            "breakdown": split}
 
 
 def _comparable_setup(record: Dict[str, Any]) -> Optional[Dict[str, Any]]:

@@ -309,7 +309,37 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
                                   "ms/step (min–max)", "speedup", "tokens/s", "peak GiB",
                                   "TFLOP/s", "share of bf16 peak",
                                   "compile to end of step 1 / re-plan step / to last step"], rows)
-    return lines
+    return lines + _lora_breakdown(runs)
+
+
+def _lora_breakdown(runs: Mapping[str, Mapping[str, Any]]) -> List[str]:
+    """Where a step goes, for the runs profiled with ``--trace`` (bench.trace_breakdown)."""
+    rows = []
+    for key in _lora_keys(runs):
+        split = (runs[key].get("trace") or {}).get("breakdown")
+        if not run_ok(runs[key]) or not split:
+            continue
+        launches = split.get("launches") or {}
+        kinds = ", ".join(f"{k} {launches[k]:.0f}" for k in ("nccl", "triton", "gemm",
+                                                               "attention", "memcpy", "other")
+                          if launches.get(k))
+        host = split.get("host_ms") or {}
+        share = split.get("device_busy_share")
+        rows.append([run_variant(key, runs[key]), str(run_deepspeed(key, runs[key]) or "-"),
+                     _num(split.get("wall_ms"), "{:.1f}"),
+                     _num(split.get("device_busy_ms"), "{:.1f}"),
+                     _num(None if share is None else 100 * share, "{:.0f}", "%"),
+                     _num(launches.get("total"), "{:,.0f}") + (f" ({kinds})" if kinds else ""),
+                     _num(host.get("dc_ops"), "{:.1f}"), _num(host.get("graph_wrapper"), "{:.1f}"),
+                     _num(sum((split.get("dc_calls") or {}).values()) or None, "{:,.0f}")])
+    if not rows:
+        return []
+    return ["", "**Where a step goes** (`--trace`: two more steps under torch.profiler after the "
+            "timed ones; per step, profiler overhead included; host times are the CPU's time "
+            "inside the dc ops and inside inductor's compiled graphs other than dc ops):", ""] + \
+        _table(["variant", "DeepSpeed", "ms/step profiled", "device busy ms", "device busy",
+                "launches (by kind)", "host ms in dc ops", "host ms in graph wrapper",
+                "dc op calls"], rows)
 
 
 def _generic(result: Mapping[str, Any]) -> List[str]:

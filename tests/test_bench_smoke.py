@@ -678,6 +678,12 @@ def test_lora_trace_profiles_two_more_steps(tmp_path: Path) -> None:
     assert any(n.startswith("aten::mm") or n.startswith("aten::addmm") for n in names), sorted(names)[:40]
     top = (trace_dir / "ours-rank0-top.txt").read_text()
     assert "Self CPU" in top and "aten::" in top
+    # The per-step breakdown: no device on a CPU, no dc op in an eager run, the profiled steps'
+    # own wall time.
+    split = record["trace"]["breakdown"]
+    assert split["steps"] == 2 and split["wall_ms"] > 0
+    assert split["device_busy_share"] is None and split["launches"]["total"] == 0
+    assert split["dc_calls"] == {} and split["host_ms"]["dc_ops"] == 0
 
 
 def test_lora_table_never_compares_across_checkpointing() -> None:

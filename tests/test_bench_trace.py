@@ -1,0 +1,122 @@
+"""bench/trace_breakdown.py: a step's device busy share, launches by kind and host time in dc ops
+and compiled graphs, from a torch.profiler Chrome trace (synthetic traces with known answers)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+
+from bench.trace_breakdown import breakdown, kernel_kind, union_length
+
+
+def _x(name: str, cat: str, ts: float, dur: float, tid: int = 1, **args: Any) -> Dict[str, Any]:
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid,
+            "args": args}
+
+
+def _launch(ts: float, corr: int, tid: int = 1) -> List[Dict[str, Any]]:
+    """A launch call on the host and the kernel it started (same correlation id)."""
+    return [_x("cudaLaunchKernel", "cuda_runtime", ts, 5.0, tid, correlation=corr)]
+
+
+def test_union_length_counts_overlaps_once() -> None:
+    assert union_length([]) == 0
+    assert union_length([(0, 10), (5, 15), (20, 30)]) == 25
+    assert union_length([(0, 100), (10, 20), (30, 40)]) == 100
+    assert union_length([(5, 6), (0, 1)]) == 2
+
+
+@pytest.mark.parametrize("name,cat,kind", [
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel", "nccl"),
+    ("triton_poi_fused_add_mul_0", "kernel", "triton"),
+    ("triton_red_fused__to_copy_mean_pow_1", "kernel", "triton"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "kernel", "gemm"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "kernel", "gemm"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "kernel", "attention"),
+    ("Memcpy DtoD (Device -> Device)", "gpu_memcpy", "memcpy"),
+    ("Memset (Device)", "gpu_memset", "memset"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "kernel",
+     "other"),
+])
+def test_kernel_kinds(name: str, cat: str, kind: str) -> None:
+    assert kernel_kind(name, cat) == kind
+
+
+def test_breakdown_of_two_steps() -> None:
+    events: List[Dict[str, Any]] = []
+    for step in range(2):
+        t0 = step * 1000.0
+        # Host: a compiled graph (300 us) holding two dc ops (40 + 60 us, one with a nested
+        # dispatcher-level event of the same op), a dc op outside any graph (50 us) and launches.
+        events.append(_x("## Call CompiledFxGraph abc ##", "user_annotation", t0, 300.0))
+        events.append(_x("dc::allgather_param", "cpu_op", t0 + 10, 40.0))
+        events.append(_x("dc::allgather_param", "cpu_op", t0 + 15, 20.0))  # nested: not again
+        events.append(_x("dc::release_param", "cpu_op", t0 + 100, 60.0))
+        events.append(_x("dc::reduce_grad", "cpu_op", t0 + 500, 50.0, tid=2))
+        events += _launch(t0 + 20, corr=10 * step + 1)
+        events += _launch(t0 + 30, corr=10 * step + 2)
+        events += _launch(t0 + 40, corr=10 * step + 3)
+        events.append(_x("cudaMemcpyAsync", "cuda_runtime", t0 + 60, 5.0, correlation=10 * step + 4))
+        # Device: an all-gather (100 us), a triton kernel overlapping it by 50 us (100 us), a gemm
+        # (200 us) and a copy (50 us): 100 + 50 + 200 + 50 = 400 us busy.
+        events.append(_x("ncclDevKernel_AllGather_RING_LL", "kernel", t0 + 100, 100.0, tid=7,
+                         correlation=10 * step + 1))
+        events.append(_x("triton_poi_fused_0", "kernel", t0 + 150, 100.0, tid=8,
+                         correlation=10 * step + 2))
+        events.append(_x("sm90_xmma_gemm_bf16", "kernel", t0 + 300, 200.0, tid=8,
+                         correlation=10 * step + 3))
+        events.append(_x("Memcpy DtoD (Device -> Device)", "gpu_memcpy", t0 + 600, 50.0, tid=8,
+                         correlation=10 * step + 4))
+    events.append({"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "x"}})
+    split = breakdown({"traceEvents": events}, steps=2, step_ms=[1.0, 1.0])
+    assert split["wall_ms"] == 1.0
+    # Two streams, (100-200) and (150-250) + (300-500) + (600-650): the device is busy 400 us
+    # of the step's 1000 (the overlap once).
+    assert split["device_busy_ms"] == pytest.approx(0.4)
+    assert split["device_busy_share"] == pytest.approx(0.4)
+    assert split["launches"] == {"nccl": 1.0, "triton": 1.0, "gemm": 1.0, "attention": 0.0,
+                                 "memcpy": 1.0, "memset": 0.0, "other": 0.0, "total": 4.0}
+    assert split["host_ms"]["dc_ops"] == pytest.approx(0.15)  # 40 + 60 + 50, nested once
+    assert split["host_ms"]["compiled_graphs"] == pytest.approx(0.3)
+    assert split["host_ms"]["graph_wrapper"] == pytest.approx(0.2)  # 300 - 40 - 60
+    assert split["host_ms"]["launch_calls"] == pytest.approx(0.02)
+    assert split["dc_calls"] == {"allgather_param": 2.0, "reduce_grad": 1.0, "release_param": 1.0}
+
+
+def test_a_cpu_trace_has_no_device_share() -> None:
+    events = [_x("aten::mm", "cpu_op", 0, 100.0)]
+    split = breakdown({"traceEvents": events}, steps=1, step_ms=[0.5])
+    assert split["device_busy_ms"] is None and split["device_busy_share"] is None
+    assert split["launches"]["total"] == 0 and split["dc_calls"] == {}
+
+
+def test_breakdown_refuses_mismatched_steps() -> None:
+    with pytest.raises(ValueError, match="2 steps but 1 step times"):
+        breakdown({"traceEvents": []}, steps=2, step_ms=[1.0])
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        breakdown({"traceEvents": []}, steps=0, step_ms=[])
+
+
+def test_report_shows_where_a_profiled_step_goes() -> None:
+    from bench import report
+
+    split = breakdown({"traceEvents": [
+        _x("dc::allgather_param", "cpu_op", 0, 2000.0),
+        _x("cudaLaunchKernel", "cuda_runtime", 10, 5.0, correlation=1),
+        _x("ncclDevKernel_AllGather", "kernel", 100, 5000.0, tid=7, correlation=1)]},
+        steps=1, step_ms=[10.0])
+    setup = {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4, "device": "H200",
+             "checkpointing": "non-reentrant", "deepcompile": True}
+    run = {"variant": "dc-ckpt", "versions": {"deepspeed": "0.19.8"}, "setup": setup,
+           "step_ms": {"median": 9.0, "min": 9.0, "max": 9.0}, "peak_gib": 4.0,
+           "trace": {"steps": 1, "breakdown": split}}
+    plain = {**run, "variant": "upstream", "trace": None,
+             "setup": {**setup, "deepcompile": False}}
+    lines = report._lora({"bench": "lora_llama", "baseline": "upstream",
+                          "runs": {"dc-ckpt@0.19.8": run, "upstream@0.19.8": plain}})
+    at = lines.index(next(ln for ln in lines if ln.startswith("**Where a step goes**")))
+    rows = [ln for ln in lines[at:] if ln.startswith("| dc-ckpt")]
+    assert len(rows) == 1 and not any(ln.startswith("| upstream") for ln in lines[at:])
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells == ["dc-ckpt", "0.19.8", "10.0", "5.0", "50%", "1 (nccl 1)", "2.0", "0.0", "1"]

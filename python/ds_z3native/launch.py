@@ -205,11 +205,17 @@ class Ranks:
         if conn is None:
             return False
         try:
-            kind, payload = pickle.loads(conn.recv_bytes())
+            data = conn.recv_bytes()
         except (EOFError, OSError):
             conn.close()
             self._conns[rank] = None
             return False
+        try:
+            kind, payload = pickle.loads(data)
+        except Exception as e:  # noqa: BLE001 - e.g. a class this process cannot import
+            self._errors.append(RankError(rank, "raised", type(e).__name__,
+                                          f"could not unpickle what rank {rank} sent: {e}"))
+            return True
         if kind == "message":
             if on_message is not None:
                 on_message(rank, payload)

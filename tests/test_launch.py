@@ -115,3 +115,12 @@ def test_send_outside_a_rank_is_refused() -> None:
         launch.send("hello")
     with pytest.raises(ValueError, match="world_size must be at least 1, got 0"):
         launch.start_ranks(_hangs, 0)
+
+
+def _unpicklable(rank: int, world_size: int) -> Any:
+    return lambda: rank  # a lambda does not pickle
+
+
+def test_a_result_that_does_not_pickle_fails_naming_the_rank() -> None:
+    with pytest.raises(RanksFailed, match=r"rank 0: .*could not send the rank's result"):
+        run_ranks(_unpicklable, 1, timeout=120)

@@ -167,9 +167,12 @@ def _rank_main(target: _Target, rank: int, conn: Connection) -> None:
         _send(conn, item)
     except Exception as e:  # noqa: BLE001 - e.g. a result that does not pickle
         ok = False
-        _send(conn, ("error", {"type": type(e).__name__,
-                               "message": f"could not send the rank's {item[0]}: {e}",
-                               "traceback": traceback.format_exc()}))
+        try:
+            _send(conn, ("error", {"type": type(e).__name__,
+                                   "message": f"could not send the rank's {item[0]}: {e}",
+                                   "traceback": traceback.format_exc()}))
+        except Exception:  # noqa: BLE001 - the parent is gone: nobody to report to
+            pass
     if ok and target.backend is not None:
         try:
             import torch.distributed as dist

@@ -45,12 +45,11 @@ import re
 import sys
 import tempfile
 import time
-import traceback
 import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ds_z3native._net import free_port
+from ds_z3native.launch import RanksFailed, run_ranks
 from bench.core.schema import peak_memory_gib, summarize, versions
 
 log = logging.getLogger("bench.native_micro")
@@ -289,103 +288,55 @@ class _Driver:
         self.m.cleanup()
 
 
-def _rank_main(rank: int, world_size: int, port: int, impl: str, cfg_dict: Dict[str, Any],
-               out_dir: str, account_only: bool) -> None:
-    """One rank: init the process group, drive the op, rank 0 writes ``result.json``."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank: int, world_size: int, impl: str, cfg_dict: Dict[str, Any],
+               account_only: bool) -> Dict[str, Any]:
+    """One rank: init the process group, drive the op; rank 0's result (others: ``ok`` only)."""
     cfg = MicroConfig(**cfg_dict)
-    result: Dict[str, Any] = {}
-    try:
-        import torch
-        import torch.distributed as dist
+    import torch
+    import torch.distributed as dist
 
-        cuda = torch.cuda.is_available() and not cfg.smoke
-        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
-        driver = _Driver(impl, cfg, make_params(cfg), rank, world_size, device,
-                         marker=account_only)
-        if account_only:  # DeepSpeed's op under NCCL's COLL log: two steps, markers on
-            driver.step()
-            driver.step()
-            result = {"ok": True}
-        else:
-            # Per-category accounting (a comm_stats() call around every gather) runs in the
-            # first warm-up step and in one untimed step after the timed ones, never in a timed
-            # step: DeepSpeed's op has no counters and would not pay for it.
-            steps = []
-            for i in range(cfg.warmup + cfg.steps):
-                steps.append(driver.step(account=i == 0 and driver.has_stats))
-                if rank == 0 and (i + 1) % 10 == 0:
-                    logging.getLogger("bench.native_micro").info(
-                        "%s: step %d/%d", impl, i + 1, cfg.warmup + cfg.steps)
-            accounted = driver.step(account=driver.has_stats)
-            per_call_us = driver.probe(PROBE_CALLS_SMOKE if cfg.smoke else PROBE_CALLS)
-            peak, kind = peak_memory_gib(device.type)
-            result = {"ok": True, "steps": steps, "accounted_step": accounted,
-                      "per_call_us": per_call_us, "peak_gib": peak, "peak_kind": kind,
-                      "device": torch.cuda.get_device_name() if cuda else "cpu"}
-        driver.close()
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = {"ok": False, "error": traceback.format_exc()}
-    if rank == 0 or not result.get("ok"):
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
+    cuda = torch.cuda.is_available() and not cfg.smoke
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+    driver = _Driver(impl, cfg, make_params(cfg), rank, world_size, device, marker=account_only)
+    result: Dict[str, Any] = {"ok": True}
+    if account_only:  # DeepSpeed's op under NCCL's COLL log: two steps, markers on
+        driver.step()
+        driver.step()
+    else:
+        # Per-category accounting (a comm_stats() call around every gather) runs in the first
+        # warm-up step and in one untimed step after the timed ones, never in a timed step:
+        # DeepSpeed's op has no counters and would not pay for it.
+        steps = []
+        for i in range(cfg.warmup + cfg.steps):
+            steps.append(driver.step(account=i == 0 and driver.has_stats))
+            if rank == 0 and (i + 1) % 10 == 0:
+                logging.getLogger("bench.native_micro").info(
+                    "%s: step %d/%d", impl, i + 1, cfg.warmup + cfg.steps)
+        accounted = driver.step(account=driver.has_stats)
+        per_call_us = driver.probe(PROBE_CALLS_SMOKE if cfg.smoke else PROBE_CALLS)
+        peak, kind = peak_memory_gib(device.type)
+        result.update(steps=steps, accounted_step=accounted, per_call_us=per_call_us,
+                      peak_gib=peak, peak_kind=kind,
+                      device=torch.cuda.get_device_name() if cuda else "cpu")
+    driver.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return result if rank == 0 else {"ok": True}
 
 
 def _spawn(impl: str, cfg: MicroConfig, env: Dict[str, str], account_only: bool,
            timeout: float) -> Dict[str, Any]:
-    """Run ``cfg.ranks`` fresh processes of ``_rank_main``; rank 0's result (or the first
-    error)."""
-    import torch.multiprocessing as mp
-
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # inherited by the spawned interpreters
+    """Run ``cfg.ranks`` fresh processes of ``_rank_main`` with ``env`` set; rank 0's result, or
+    ``ok`` False and the error of each failed rank."""
     try:
-        with tempfile.TemporaryDirectory() as out_dir:
-            ctx = mp.start_processes(
-                _rank_main, nprocs=cfg.ranks, join=False, start_method="spawn",
-                args=(cfg.ranks, free_port(), impl, dataclasses.asdict(cfg), out_dir,
-                      account_only))
-            deadline = time.monotonic() + timeout
-            try:
-                while not ctx.join(timeout=5):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{impl}: ranks still running after {timeout:.0f} s")
-            except Exception as e:  # noqa: BLE001
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                errors = _rank_errors(out_dir)
-                return {"ok": False, "error": errors or f"{type(e).__name__}: {e}"}
-            errors = _rank_errors(out_dir)
-            if errors:
-                return {"ok": False, "error": errors}
-            path = os.path.join(out_dir, "rank0.json")
-            if not os.path.exists(path):
-                return {"ok": False, "error": "rank 0 wrote no result"}
-            with open(path) as f:
-                return json.load(f)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _rank_errors(out_dir: str) -> str:
-    errors = []
-    for path in sorted(glob.glob(os.path.join(out_dir, "rank*.json"))):
-        with open(path) as f:
-            r = json.load(f)
-        if not r.get("ok"):
-            errors.append(f"{os.path.basename(path)[:-5]}: {r.get('error')}")
-    return "\n".join(errors)
+        results = run_ranks(_rank_main, cfg.ranks, impl, dataclasses.asdict(cfg), account_only,
+                            env=env, timeout=timeout, name=f"native-micro-{impl}-rank")
+    except RanksFailed as e:
+        return {"ok": False, "error": str(e)}
+    return results[0]
 
 
 _NCCL_LINE = re.compile(r"\b(AllGather|ReduceScatter|AllReduce|Broadcast|Reduce)\b: opCount \S+"

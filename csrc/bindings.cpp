@@ -6,8 +6,6 @@
 #include <torch/extension.h>
 #include <torch/version.h>
 
-#include <cerrno>
-#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -61,22 +59,6 @@ T configValue(const py::object& config, const char* name, T fallback)
     return v.cast<T>();
 }
 
-constexpr const char* kBudgetEnv = "DS_Z3NATIVE_PERSISTENCE_BUDGET_MB";
-
-// DS_Z3NATIVE_PERSISTENCE_BUDGET_MB: MiB that DeepCompile's selective gather may keep gathered
-// (unset or empty: no limit).
-std::optional<int64_t> persistenceBudgetFromEnv()
-{
-    const char* raw = std::getenv(kBudgetEnv);
-    if (raw == nullptr || *raw == '\0') { return std::nullopt; }
-    char* end = nullptr;
-    errno = 0;
-    const double mib = std::strtod(raw, &end);
-    DSZ_CHECK(end != raw && *end == '\0' && errno == 0 && mib >= 0 && mib < 1e12, "init",
-              kBudgetEnv, "='", raw, "' is not a number of MiB >= 0 (unset it for no limit)");
-    return static_cast<int64_t>(mib * 1024 * 1024);
-}
-
 void init(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const py::object& config,
           int64_t initial_reduce_bucket_size)
 {
@@ -92,7 +74,8 @@ void init(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const py::object& co
     c.sync_after_allgather = configValue<bool>(config, "sync_after_allgather", false);
     c.offload_activation_pin_memory =
         configValue<bool>(config, "offload_activation_pin_memory", c.offload_activation_pin_memory);
-    c.persistence_budget_bytes = persistenceBudgetFromEnv();
+    // Set by ds_z3native's settings (set_default_persistence_budget), not by DeepSpeed's config.
+    c.persistence_budget_bytes = dsz::current_runtime::defaults().persistence_budget_bytes;
     // A refused init() keeps the live runtime: everything that can be checked before the new
     // backends exist is checked first.
     Runtime::checkConfig(c);
@@ -284,7 +267,16 @@ PYBIND11_MODULE(_C, m)
           [](std::optional<int64_t> bytes) { get("set_persistence_budget")->setPersistenceBudget(bytes); },
           py::arg("bytes"), NO_GIL,
           "Bytes DeepCompile's selective gather (set_persistent) may keep gathered in the live "
-          "runtime; None = no limit. init() takes it from DS_Z3NATIVE_PERSISTENCE_BUDGET_MB.");
+          "runtime; None = no limit. init() starts from set_default_persistence_budget's value.");
+    m.def("set_default_persistence_budget",
+          [](std::optional<int64_t> bytes) {
+              dsz::current_runtime::setDefaults(dsz::RuntimeDefaults{bytes},
+                                                "set_default_persistence_budget");
+          },
+          py::arg("bytes"), NO_GIL,
+          "The persistence budget in bytes every later init() starts with (None = no limit; kept "
+          "across cleanup()). ds_z3native's settings set it (ds_z3native.set_persistence_budget, "
+          "DS_Z3NATIVE_PERSISTENCE_BUDGET_MB).");
     m.def("persistence_info", &persistenceInfo,
           "The set_persistent budget and what it kept: budget_bytes, selected_bytes, selected, "
           "declined.");

@@ -628,6 +628,11 @@ std::shared_ptr<Runtime>& slot()
     static auto* s = new std::shared_ptr<Runtime>();
     return *s;
 }
+RuntimeDefaults& defaultsSlot()  // guarded by slotMutex()
+{
+    static auto* d = new RuntimeDefaults();
+    return *d;
+}
 
 // Swaps the slot's runtime for `next` and returns the previous one, which the caller drops
 // outside the slot's lock (its destructor may wait on a communicator).
@@ -661,6 +666,19 @@ void replace(std::shared_ptr<Runtime> runtime)
 }
 
 void destroy() { exchange(nullptr); }
+
+void setDefaults(const RuntimeDefaults& defaults, const char* op)
+{
+    checkedBudget(defaults.persistence_budget_bytes, op);
+    std::lock_guard<std::mutex> guard(slotMutex());
+    defaultsSlot() = defaults;
+}
+
+RuntimeDefaults defaults()
+{
+    std::lock_guard<std::mutex> guard(slotMutex());
+    return defaultsSlot();
+}
 
 }  // namespace current_runtime
 

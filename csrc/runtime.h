@@ -151,6 +151,13 @@ private:
     std::mutex mutex_;
 };
 
+// What the next init() takes from ds_z3native's settings rather than from DeepSpeed's config
+// (init's signature is DeepSpeed's): set explicitly by the Python package, never read from the
+// environment here.
+struct RuntimeDefaults {
+    std::optional<int64_t> persistence_budget_bytes;  // unset = no limit
+};
+
 // The process-wide runtime: created by init(), ended by cleanup(). Every op and function holds a
 // counted reference for its whole call, so cleanup(), init() or reset() from another thread never
 // frees what a running call uses: the runtime is destroyed when its last call returns.
@@ -160,6 +167,10 @@ std::shared_ptr<Runtime> get(const char* op);
 std::shared_ptr<Runtime> tryGet();
 void replace(std::shared_ptr<Runtime> runtime);  // ends the previous one first
 void destroy();
+// The defaults of the next init(); kept across cleanup(). setDefaults throws naming `op` and the
+// value for a negative budget.
+void setDefaults(const RuntimeDefaults& defaults, const char* op);
+RuntimeDefaults defaults();
 }  // namespace current_runtime
 
 }  // namespace dsz

@@ -24,3 +24,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture()
+def clean_settings():
+    """ds_z3native's settings all unset for the test (whatever the environment says), and the
+    process's own settings back afterwards (the native module's default follows both)."""
+    from ds_z3native import settings
+
+    previous = settings.use(settings.Settings())
+    yield settings
+    settings.use(previous)

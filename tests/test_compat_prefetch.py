@@ -127,17 +127,46 @@ def test_the_budget_is_ours_deepspeed_alone_ignores_it() -> None:
     assert [sorted(g["ids"]) for g in r["groups"]] == [list(range(N_PARAMS))]
 
 
-def test_bad_budgets_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_budgets_are_refused(clean_settings) -> None:
+    import os
+    import re
+
     import ds_z3native
     from ds_z3native.compat.deepcompile_prefetch import prefetch_budget_bytes
+    from ds_z3native.settings import PREFETCH_BUDGET_ENV, Settings
 
     for bad in (-1, float("nan"), "10", True, 1e12):
-        with pytest.raises(ValueError, match="set_prefetch_budget"):
+        with pytest.raises(ValueError, match=re.escape(
+                f"set_prefetch_budget: expected MiB in [0, 1e12) or None, got {bad!r}")):
             ds_z3native.set_prefetch_budget(bad)  # type: ignore[arg-type]
-    monkeypatch.setenv(ds_z3native.PREFETCH_BUDGET_ENV, "lots")
-    with pytest.raises(ValueError, match="DS_Z3NATIVE_PREFETCH_BUDGET_MB"):
-        prefetch_budget_bytes()
-    monkeypatch.setenv(ds_z3native.PREFETCH_BUDGET_ENV, "1.5")
-    assert prefetch_budget_bytes() == 1572864
+    for raw in ("lots", "-1", "nan", "1e12"):
+        with pytest.raises(ValueError, match=f"{PREFETCH_BUDGET_ENV}: expected MiB in .*{raw}"):
+            Settings.from_env({PREFETCH_BUDGET_ENV: raw})
+    assert Settings.from_env({PREFETCH_BUDGET_ENV: "1.5"}).prefetch_budget_bytes == 1572864
+    assert Settings.from_env({PREFETCH_BUDGET_ENV: " "}).prefetch_budget_bytes is None
+    environ = dict(os.environ)
+    ds_z3native.set_prefetch_budget(1.5)
+    assert prefetch_budget_bytes() == 1572864  # what the patched pass reads
+    assert dict(os.environ) == environ  # kept in the settings, not in the environment
     ds_z3native.set_prefetch_budget(None)
     assert prefetch_budget_bytes() is None
+
+
+def test_the_pass_reads_the_budget_at_each_call(clean_settings) -> None:
+    # The patch asks the settings when DeepCompile plans, not at install: a budget set later
+    # (or changed between plans) applies, and DeepSpeed's constant is restored after each call.
+    from types import SimpleNamespace
+
+    import ds_z3native
+    from ds_z3native.compat.deepcompile_prefetch import _within_budget, prefetch_budget_bytes
+
+    module = SimpleNamespace(MAX_BUFFERED_SIZE=4e9)
+    seen: List[float] = []
+    planned = _within_budget(lambda: seen.append(module.MAX_BUFFERED_SIZE), module,
+                             prefetch_budget_bytes)
+    planned()
+    ds_z3native.set_prefetch_budget(2)
+    planned()
+    ds_z3native.set_prefetch_budget(0)
+    planned()
+    assert seen == [4e9, 2 * 2**20, 0] and module.MAX_BUFFERED_SIZE == 4e9

@@ -73,8 +73,10 @@ def _profile(gm: fx.GraphModule) -> Dict[str, float]:
 
 
 @pytest.fixture
-def profile_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv(store.PROFILE_STORE_ENV, str(tmp_path / "profiles"))
+def profile_dir(tmp_path: Path, clean_settings) -> Path:
+    import ds_z3native
+
+    ds_z3native.set_profile_store(tmp_path / "profiles")
     store.reset_store_stats()
     yield tmp_path / "profiles"
     store.reset_store_stats()
@@ -94,8 +96,7 @@ def test_the_fingerprint_ignores_graph_ids_but_not_the_program() -> None:
         store.graph_fingerprint("operator", _graph(1).graph, ["device B"])
 
 
-def test_without_a_store_each_run_keeps_its_own_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(store.PROFILE_STORE_ENV, raising=False)
+def test_without_a_store_each_run_keeps_its_own_measurement(clean_settings) -> None:
     store.reset_store_stats()
     assert _profile(_graph(1)) != _profile(_graph(2))
     assert store.store_stats() == {"recorded": 0, "replayed": 0}
@@ -173,17 +174,19 @@ def _profile_on_rank(rank: int, world_size: int, base: str) -> Dict[str, Any]:
 
     import deepspeed
 
+    import ds_z3native
+
     deepspeed.init_distributed(dist_backend="gloo")
-    os.environ[store.PROFILE_STORE_ENV] = os.path.join(base, f"rank{rank}-dir")
+    ds_z3native.set_profile_store(os.path.join(base, f"rank{rank}-dir"))
     store.reset_store_stats()
     first = _profile(_graph(5))
     if rank == 1:  # rank 1 loses its store; rank 0 keeps its own
         import shutil
 
-        shutil.rmtree(os.environ[store.PROFILE_STORE_ENV])
+        shutil.rmtree(store.profile_store())
     store.reset_store_stats()
     second = _profile(_graph(6))
-    (path,) = Path(os.environ[store.PROFILE_STORE_ENV]).iterdir()
+    (path,) = store.profile_store().iterdir()
     stored = {name: meta["device_time"] for name, meta in json.loads(path.read_text())["nodes"].items()}
     return {"first": first, "second": second, "stats": store.store_stats(), "stored": stored}
 

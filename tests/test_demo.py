@@ -235,3 +235,20 @@ def test_the_replan_steps_are_read_from_deepspeeds_pass_schedule() -> None:
         assert _deepcompile_replan_steps() == []
     finally:
         backend.remaining_schedule = saved
+
+
+def test_a_rank_error_keeps_the_step_and_why_the_rank_sent() -> None:
+    """A rank that fails sends its step and why before raising; the launcher's error (type,
+    message, traceback) and that context make the summary's error; a timeout is the run's."""
+    from ds_z3native.demo import _error_of
+    from ds_z3native.launch import RankError
+
+    error = RankError(1, "raised", "CheckpointError", "recomputed shape [0]", "Traceback ...")
+    assert _error_of(error, {1: {"kind": "failing", "step": 2, "why": "because"}}, 600) == {
+        "rank": 1, "step": 2, "type": "CheckpointError", "message": "recomputed shape [0]",
+        "why": "because", "traceback": "Traceback ..."}
+    died = RankError(0, "died", "RankDied", "rank 0 exited with code -9 without reporting an "
+                     "error", exitcode=-9)
+    assert _error_of(died, {}, 600)["step"] is None
+    timeout = RankError(None, "timeout", "Timeout", "ranks [0, 1] sent nothing for 600 s")
+    assert _error_of(timeout, {}, 600)["message"] == "no progress from the ranks for 600 s"

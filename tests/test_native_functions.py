@@ -368,13 +368,13 @@ def test_graph_alias_is_resolved_by_every_graph_op_until_reset(m) -> None:
     assert torch.ops.dc.allgather_param(torch.empty(0), -1, 1).shape == (2,)
 
 
-def test_persistence_budget_caps_set_persistent(m, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_persistence_budget_caps_set_persistent(m, clean_settings) -> None:
     # DeepCompile's selective gather marks params persistent while it estimates free memory;
     # with a budget only what fits stays gathered (here: one 1 MiB fp32 param of two).
-    # setenv first: monkeypatch then restores the variable whatever the API below sets.
-    monkeypatch.setenv(ds_z3native.PERSISTENCE_BUDGET_ENV, "")
+    environ = dict(os.environ)
     ds_z3native.set_persistence_budget(1.5)
-    assert os.environ[ds_z3native.PERSISTENCE_BUDGET_ENV] == "1.5"
+    assert dict(os.environ) == environ  # kept in the settings, not in the environment
+    assert ds_z3native.current_settings().persistence_budget_mib == 1.5
     m.init(local_group(), compile_config(), 4096)
     n = 256 * 1024  # 1 MiB of fp32
     for ds_id in (101, 102):
@@ -385,19 +385,32 @@ def test_persistence_budget_caps_set_persistent(m, monkeypatch: pytest.MonkeyPat
     assert m.persistence_info() == {"budget_bytes": int(1.5 * 2**20), "selected_bytes": 4 * n,
                                     "selected": 1, "declined": 1}
     ds_z3native.set_persistence_budget(None)  # the live runtime too
-    assert ds_z3native.PERSISTENCE_BUDGET_ENV not in os.environ
     m.set_persistent(102)
     assert m.param_state(102)["persistent"]
     assert m.persistence_info()["budget_bytes"] is None
-    for bad in (-1, float("nan"), "2", True, 1e12):
-        with pytest.raises(ValueError, match="set_persistence_budget"):
-            ds_z3native.set_persistence_budget(bad)
-
-
-def test_persistence_budget_env_must_be_a_number(m, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ds_z3native.PERSISTENCE_BUDGET_ENV, "lots")
-    with pytest.raises(RuntimeError, match=r"init: DS_Z3NATIVE_PERSISTENCE_BUDGET_MB='lots' is not"):
-        m.init(local_group(), compile_config(), 4096)
-    monkeypatch.setenv(ds_z3native.PERSISTENCE_BUDGET_ENV, "")
-    m.init(local_group(), compile_config(), 4096)  # empty: no limit
+    m.init(local_group(), compile_config(), 4096)  # and the next init()
     assert m.persistence_info()["budget_bytes"] is None
+    for bad in (-1, float("nan"), "2", True, 1e12):
+        with pytest.raises(ValueError, match=re.escape(
+                f"set_persistence_budget: expected MiB in [0, 1e12) or None, got {bad!r}")):
+            ds_z3native.set_persistence_budget(bad)
+    assert ds_z3native.current_settings().persistence_budget_mib is None  # refused: unchanged
+
+
+def test_init_takes_its_budget_from_the_settings_not_the_environment(
+        m, clean_settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The environment is read once, by the settings; init() never looks at it.
+    monkeypatch.setenv(ds_z3native.PERSISTENCE_BUDGET_ENV, "lots")
+    ds_z3native.set_persistence_budget(2)
+    m.init(local_group(), compile_config(), 4096)
+    assert m.persistence_info()["budget_bytes"] == 2 * 2**20
+    m.cleanup()
+    m.set_default_persistence_budget(3 * 2**20)  # what the settings call: kept across cleanup()
+    m.init(local_group(), compile_config(), 4096)
+    assert m.persistence_info()["budget_bytes"] == 3 * 2**20
+    m.set_default_persistence_budget(None)
+    m.init(local_group(), compile_config(), 4096)
+    assert m.persistence_info()["budget_bytes"] is None
+    with pytest.raises(RuntimeError, match=r"ds_z3native set_default_persistence_budget: the "
+                                           r"persistence budget must be >= 0 bytes, got -1"):
+        m.set_default_persistence_budget(-1)

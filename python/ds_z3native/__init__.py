@@ -17,9 +17,9 @@ from typing import Any, Dict, Optional
 import torch
 
 from ._native import DcNamespaceTaken, existing_dc_owner, load
+from . import settings
 from ._version import __version__
-from .compat.deepcompile_prefetch import PREFETCH_BUDGET_ENV, parse_budget_mib
-from .compat.deepcompile_profile_store import PROFILE_STORE_ENV
+from .settings import PERSISTENCE_BUDGET_ENV, PREFETCH_BUDGET_ENV, PROFILE_STORE_ENV, Settings
 from .installer import (InstallError, InstallReport, UnsupportedDeepSpeed, UnverifiedPatchTarget,
                         install, installed, uninstall)
 
@@ -28,7 +28,7 @@ __all__ = ["native", "build_info", "current_graph_task_id", "DcNamespaceTaken",
            "InstallReport", "InstallError", "UnsupportedDeepSpeed", "UnverifiedPatchTarget",
            "set_persistence_budget",
            "PERSISTENCE_BUDGET_ENV", "set_prefetch_budget", "PREFETCH_BUDGET_ENV",
-           "set_profile_store", "PROFILE_STORE_ENV"]
+           "set_profile_store", "PROFILE_STORE_ENV", "Settings", "current_settings"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -54,7 +54,12 @@ def current_graph_task_id() -> int:
     return int(load().current_graph_task_id())
 
 
-PERSISTENCE_BUDGET_ENV = "DS_Z3NATIVE_PERSISTENCE_BUDGET_MB"
+def current_settings() -> Settings:
+    """This process's settings (persistence and prefetch budgets, profile store) as the setters
+    below left them or,
+    where no setter was called, as ``DS_Z3NATIVE_*`` gave them when first needed (see
+    :mod:`ds_z3native.settings`)."""
+    return settings.current()
 
 
 def set_persistence_budget(mib: Optional[float]) -> None:
@@ -67,18 +72,18 @@ def set_persistence_budget(mib: Optional[float]) -> None:
     uses, small norm weights included. Use the same cap on every rank: a param kept persistent is
     gathered at once, a collective that every rank must join.
 
-    Applies to the live runtime, if any, and to every later ``init()`` in this process and its
-    children (through ``DS_Z3NATIVE_PERSISTENCE_BUDGET_MB``, which can also be set directly)."""
-    if mib is None:
-        os.environ.pop(PERSISTENCE_BUDGET_ENV, None)
-        nbytes = None
-    else:
-        mib = parse_budget_mib(mib, "set_persistence_budget")
-        os.environ[PERSISTENCE_BUDGET_ENV] = repr(mib)
-        nbytes = int(mib * 1024 * 1024)
+    Applies to the live runtime, if any, and to every later ``init()`` in this process (the
+    native module's default, ``_C.set_default_persistence_budget``). This process only: nothing
+    is written to ``os.environ``, so child processes (spawned ranks, subprocesses) keep the
+    default their own environment gives (``DS_Z3NATIVE_PERSISTENCE_BUDGET_MB``, read when they
+    first need it): set the variable before starting them, or call this in each of them.
+    ValueError naming this function and the value for anything but ``None`` or MiB in
+    [0, 1e12)."""
+    value = settings.check_budget_mib(mib, "set_persistence_budget")
     m = load()
+    new = settings.update(persistence_budget_mib=value)  # the native default follows
     if m.is_initialized():
-        m.set_persistence_budget(nbytes)
+        m.set_persistence_budget(new.persistence_budget_bytes)
 
 
 def set_prefetch_budget(mib: Optional[float]) -> None:
@@ -91,13 +96,13 @@ def set_prefetch_budget(mib: Optional[float]) -> None:
     peak close to eager ZeRO-3's.
 
     Takes effect at DeepCompile's next planning (its 6th step, or a recompile) while ds_z3native
-    is installed (patch ``deepcompile-prefetch-budget``), in this process and its children
-    (through ``DS_Z3NATIVE_PREFETCH_BUDGET_MB``, which can also be set directly). Use the same
-    cap on every rank: it shapes the compiled graph's collectives."""
-    if mib is None:
-        os.environ.pop(PREFETCH_BUDGET_ENV, None)
-    else:
-        os.environ[PREFETCH_BUDGET_ENV] = repr(parse_budget_mib(mib, "set_prefetch_budget"))
+    is installed (patch ``deepcompile-prefetch-budget``). This process only: nothing is written
+    to ``os.environ``, so child processes keep the default their own environment gives
+    (``DS_Z3NATIVE_PREFETCH_BUDGET_MB``, read when they first need it): set the variable before
+    starting them, or call this in each of them. Use the same cap on every rank: it shapes the
+    compiled graph's collectives. ValueError naming this function and the value for anything
+    but ``None`` or MiB in [0, 1e12)."""
+    settings.update(prefetch_budget_mib=settings.check_budget_mib(mib, "set_prefetch_budget"))
 
 
 def set_profile_store(directory: Optional[str | os.PathLike]) -> None:
@@ -112,13 +117,9 @@ def set_profile_store(directory: Optional[str | os.PathLike]) -> None:
     A stored profile describes the hardware it was measured on (the fingerprint names the device
     and group size); delete the directory to measure again.
 
-    Applies while ds_z3native is installed (patch ``deepcompile-profile-store``), in this process
-    and its children (through ``DS_Z3NATIVE_PROFILE_STORE``, which can also be set directly). Use
-    the same setting on every rank."""
-    if directory is None:
-        os.environ.pop(PROFILE_STORE_ENV, None)
-        return
-    path = os.fspath(directory)
-    if not str(path).strip():
-        raise ValueError("set_profile_store: the directory is empty; pass None to turn the store off")
-    os.environ[PROFILE_STORE_ENV] = str(path)
+    Applies while ds_z3native is installed (patch ``deepcompile-profile-store``). This process
+    only: nothing is written to ``os.environ``, so child processes keep the default their own
+    environment gives (``DS_Z3NATIVE_PROFILE_STORE``, read when they first need it): set the
+    variable before starting them, or call this in each of them. Use the same setting on every
+    rank. ValueError naming this function for an empty path or something not a path."""
+    settings.update(profile_store=settings.check_profile_store(directory, "set_profile_store"))

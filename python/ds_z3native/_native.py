@@ -11,6 +11,10 @@ cannot serve that key alone: torch.library stores a kernel registered for it as 
 (CompositeImplicitAutograd), which FakeTensorMode and AOT tracing would run in place of the Meta
 kernels, and the dispatcher asserts that no kernel is stored under the Undefined key itself.
 end_backward keeps DeepSpeed's catch-all (its ``Any deps`` may all be None).
+
+The settings (:mod:`ds_z3native.settings`) are resolved before the shared object is loaded (a
+malformed ``DS_Z3NATIVE_*`` variable is refused then, with nothing loaded), and the module gets
+their persistence budget, the default of every later ``init()``, now and after each change.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from types import ModuleType
 from typing import Callable, Optional
 
 import torch
+
+from . import settings
 
 __all__ = ["load", "DcNamespaceTaken", "existing_dc_owner"]
 
@@ -60,7 +66,11 @@ def load() -> ModuleType:
                 "prebuilt) was loaded first: call ds_z3native.install() before engine.compile() / "
                 "before anything calls get_deepcompile_handle(), or set DS_Z3NATIVE=1 so it happens "
                 "at `import deepspeed`.")
-        _module = importlib.import_module("ds_z3native._C")
+        settings.current()  # a malformed variable is refused before anything is loaded
+        module = importlib.import_module("ds_z3native._C")
+        settings.subscribe(lambda s: module.set_default_persistence_budget(
+            s.persistence_budget_bytes))
+        _module = module
         _name_missing_tensor_arguments(_module.build_info()["flavour"])
         log.debug("loaded ds_z3native._C (%s build)", _module.build_info()["flavour"])
         return _module

@@ -18,17 +18,15 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue as queue_mod
 import re
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, TextIO
 
-from ._net import free_port
+from .launch import RankError, RanksFailed, run_ranks, send
 from .models import DEFAULT_SIZE, MODEL_SIZES, ModelSize
 
 __all__ = ["DemoOptions", "DemoResult", "DemoRefused", "run_demo", "format_summary",
@@ -160,24 +158,10 @@ def _deepcompile_replan_steps() -> List[int]:
         return []
 
 
-def _redirect_output(path: str) -> None:
-    """Send this process's stdout/stderr (DeepSpeed's logs included) to ``path``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def _rank_main(rank: int, world: int, port: int, cuda: bool, opts: DemoOptions,
-               events: Any, log_dir: str) -> None:
-    """One rank: train, and send what happens to the parent through ``events``."""
-    _redirect_output(os.path.join(log_dir, f"rank{rank}.log"))
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if not cuda:
-        os.environ["DS_ACCELERATOR"] = "cpu"
+def _rank_main(rank: int, world: int, cuda: bool, opts: DemoOptions) -> None:
+    """One rank: train, and send what happens to the parent (rank 0: set-up and every step). A
+    failure is sent with the step and why, then raised: the launcher reports it and stops the
+    other ranks."""
     step = None
     ds_version = "?"
     try:
@@ -228,10 +212,10 @@ def _rank_main(rank: int, world: int, port: int, cuda: bool, opts: DemoOptions,
             replan = _deepcompile_replan_steps()
         device = engine.device
         if rank == 0:
-            events.put({"kind": "ready", "deepspeed": ds_version, "torch": torch.__version__,
-                        "fix": fix, "params": counts["params"], "trainable": counts["trainable"],
-                        "memory_kind": "max GPU memory allocated" if cuda else "peak RSS",
-                        "replan_steps": replan})
+            send({"kind": "ready", "deepspeed": ds_version, "torch": torch.__version__,
+                  "fix": fix, "params": counts["params"], "trainable": counts["trainable"],
+                  "memory_kind": "max GPU memory allocated" if cuda else "peak RSS",
+                  "replan_steps": replan})
         for step in range(opts.steps):
             ids = synthetic_batch(size, step, rank, seed=opts.seed).to(device)
             t0 = time.perf_counter()
@@ -243,24 +227,15 @@ def _rank_main(rank: int, world: int, port: int, cuda: bool, opts: DemoOptions,
             value = mean.item() / world
             elapsed = time.perf_counter() - t0
             if rank == 0:
-                events.put({"kind": "step", "step": step, "loss": value, "step_s": elapsed,
-                            "peak": _peak_memory(cuda)})
+                send({"kind": "step", "step": step, "loss": value, "step_s": elapsed,
+                      "peak": _peak_memory(cuda)})
         step = None
         engine.destroy()
-        events.put({"kind": "done", "rank": rank})
-        events.close()
-        events.join_thread()
         dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
-        text = f"{type(e).__name__}: {e}"
-        events.put({"kind": "error", "rank": rank, "step": step, "type": type(e).__name__,
-                    "message": str(e), "traceback": traceback.format_exc(),
-                    "why": _why(e, text, ds_version, not opts.without_fix)})
-        traceback.print_exc()
-        sys.stderr.flush()
-        events.close()
-        events.join_thread()  # the event must reach the parent before this process ends
-        os._exit(1)  # skip teardown that may block on peers that are gone
+    except BaseException as e:  # noqa: BLE001 - the context of the error, then the error itself
+        send({"kind": "failing", "step": step,
+              "why": _why(e, f"{type(e).__name__}: {e}", ds_version, not opts.without_fix)})
+        raise
 
 
 # ---- the parent ----------------------------------------------------------------------------
@@ -367,17 +342,18 @@ class _Progress:
             self.bar.close()
 
 
-def _stop(procs: List[Any], grace: float = 5.0) -> None:
-    """Ends every rank still running: SIGTERM, then SIGKILL after ``grace`` seconds."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+def _error_of(error: RankError, failing: Dict[int, Dict[str, Any]],
+              timeout: float) -> Dict[str, Any]:
+    """The result's ``error`` for the launcher's first error (with the step and why the rank sent
+    before raising)."""
+    if error.kind == "timeout":
+        return {"rank": None, "step": None, "type": "Timeout",
+                "message": f"no progress from the ranks for {timeout:.0f} s", "why": "",
+                "traceback": ""}
+    context = failing.get(error.rank, {}) if error.rank is not None else {}
+    return {"rank": error.rank, "step": context.get("step"), "type": error.type,
+            "message": error.message, "why": context.get("why", ""),
+            "traceback": error.traceback}
 
 
 def run_demo(opts: DemoOptions, stream: Optional[TextIO] = None) -> DemoResult:
@@ -388,94 +364,50 @@ def run_demo(opts: DemoOptions, stream: Optional[TextIO] = None) -> DemoResult:
     """
     _check_dependencies()
     cuda, world = _resolve(opts)
-    import torch.multiprocessing as mp
-
     stream = stream if stream is not None else sys.stderr
     log_dir = opts.log_dir or tempfile.mkdtemp(prefix="ds-z3native-demo-")
     os.makedirs(log_dir, exist_ok=True)
     result = DemoResult(EXIT_FAILED, asdict(opts), device="cuda" if cuda else "cpu",
                         world_size=world, log_dir=log_dir)
     start = time.monotonic()
-    ctx = mp.get_context("spawn")
-    events = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, cuda, opts, events, log_dir),
-                         name=f"ds-z3native-demo-rank{r}", daemon=False) for r in range(world)]
-    for p in procs:
-        p.start()
     bar = _Progress(opts.steps, opts.progress, stream)
+    failing: Dict[int, Dict[str, Any]] = {}  # rank -> the step and why it sent before raising
+
+    def on_message(rank: int, event: Dict[str, Any]) -> None:
+        kind = event["kind"]
+        if kind == "ready":
+            result.deepspeed_version = event["deepspeed"]
+            result.torch_version = event["torch"]
+            result.fix = event["fix"]
+            result.params, result.trainable = event["params"], event["trainable"]
+            result.setup_seconds = time.monotonic() - start  # start-up to engine ready
+            result.peak_memory_kind = event["memory_kind"]
+            result.replan_steps = list(event.get("replan_steps", []))
+            bar.write(f"DeepSpeed {result.deepspeed_version}, torch "
+                      f"{result.torch_version}; Llama '{opts.model_size}' with LoRA, ZeRO-3, non-reentrant "
+                      f"checkpointing; fix: {result.fix} (set-up "
+                      f"{result.setup_seconds:.1f} s)")
+        elif kind == "step":
+            result.losses.append(event["loss"])
+            result.step_seconds.append(event["step_s"])
+            result.peak_memory_bytes = max(result.peak_memory_bytes, event["peak"])
+            bar.step(event, result.peak_memory_kind)
+        elif kind == "failing":
+            failing[rank] = event
+
     bar.write(f"ds-z3native demo: starting {world} {'NCCL' if cuda else 'gloo'} rank(s) on "
               f"{'GPU' if cuda else 'CPU'} (logs: {log_dir})")
-    done = set()
-    last_news = time.monotonic()
-    peak = 0
     try:
-        while len(done) < world:
-            try:
-                event = events.get(timeout=0.5)
-            except queue_mod.Empty:
-                event = None
-            if event is not None:
-                last_news = time.monotonic()
-                kind = event["kind"]
-                if kind == "ready":
-                    result.deepspeed_version = event["deepspeed"]
-                    result.torch_version = event["torch"]
-                    result.fix = event["fix"]
-                    result.params, result.trainable = event["params"], event["trainable"]
-                    result.setup_seconds = time.monotonic() - start  # start-up to engine ready
-                    result.peak_memory_kind = event["memory_kind"]
-                    result.replan_steps = list(event.get("replan_steps", []))
-                    bar.write(f"DeepSpeed {result.deepspeed_version}, torch "
-                              f"{result.torch_version}; Llama '{opts.model_size}' with LoRA, ZeRO-3, non-reentrant "
-                              f"checkpointing; fix: {result.fix} (set-up "
-                              f"{result.setup_seconds:.1f} s)")
-                elif kind == "step":
-                    result.losses.append(event["loss"])
-                    result.step_seconds.append(event["step_s"])
-                    peak = max(peak, event["peak"])
-                    result.peak_memory_bytes = peak
-                    bar.step(event, result.peak_memory_kind)
-                elif kind == "done":
-                    done.add(event["rank"])
-                elif kind == "error":
-                    result.error = {k: event[k] for k in
-                                    ("rank", "step", "type", "message", "why", "traceback")}
-                    break
-                continue
-            dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                    if p.exitcode not in (None, 0) and r not in done]
-            if dead:
-                time.sleep(0.5)  # its error event may still be in the pipe
-                try:
-                    event = events.get(timeout=1.0)
-                    if event["kind"] == "error":
-                        result.error = {k: event[k] for k in
-                                        ("rank", "step", "type", "message", "why", "traceback")}
-                        break
-                except queue_mod.Empty:
-                    pass
-                r, code = dead[0]
-                result.error = {"rank": r, "step": None, "type": "RankDied",
-                                "message": f"rank {r} exited with code {code} without reporting "
-                                           "an error", "why": "", "traceback": ""}
-                break
-            if time.monotonic() - last_news > opts.timeout:
-                result.error = {"rank": None, "step": None, "type": "Timeout",
-                                "message": f"no progress from the ranks for {opts.timeout:.0f} s",
-                                "why": "", "traceback": ""}
-                break
+        run_ranks(_rank_main, world, cuda, opts, env={} if cuda else {"DS_ACCELERATOR": "cpu"},
+                  timeout=None, idle_timeout=opts.timeout, log_dir=log_dir,
+                  name="ds-z3native-demo-rank", on_message=on_message)
+    except RanksFailed as e:
+        result.error = _error_of(e.first, failing, opts.timeout)
     except KeyboardInterrupt:
         result.error = {"rank": None, "step": None, "type": "KeyboardInterrupt",
                         "message": "interrupted", "why": "", "traceback": ""}
     finally:
         bar.close()
-        if result.error is None:
-            for p in procs:
-                p.join(30)
-        _stop(procs)
-        events.close()
-        events.join_thread()
     result.wall_seconds = time.monotonic() - start
     if result.error is None:
         bad = [v for v in result.losses if not math.isfinite(v)]

@@ -5,7 +5,8 @@
 1. checks the DeepSpeed version (:mod:`ds_z3native.compat.gate`): 0.19.0 – 0.19.8 supported,
    0.18.x and older refused, newer allowed with a warning only if its op contract still matches;
 2. loads ``ds_z3native._C`` (which registers ``torch.ops.dc``), refusing if another library
-   already registered those ops;
+   already registered those ops, or if a ``DS_Z3NATIVE_*`` setting in the environment is
+   malformed (the settings are read then, if nothing needed them before: :mod:`ds_z3native.settings`);
 3. hands the module to every place DeepSpeed's loader looks: ``OpBuilder._loaded_ops["dc"]`` in
    ``deepspeed.ops.op_builder.builder`` (and in a source checkout's top-level ``op_builder.builder``,
    a second copy of the class), and ``deepspeed.compile.util.dc_handle``. From then on

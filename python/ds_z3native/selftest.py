@@ -5,14 +5,12 @@ refuse a gradient for a frozen param with an error naming it."""
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Dict, List
 
-from ._net import free_port
+from .launch import RanksFailed, run_ranks
 
 __all__ = ["Check", "run_selftest"]
 
@@ -36,9 +34,8 @@ class _RankResult:
     checks: List[Check] = field(default_factory=list)
 
 
-def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    import pickle
-
+def _rank(rank: int, world: int) -> _RankResult:
+    """One rank's checks; an exception ends them with a failed check naming it."""
     import torch
     import torch.distributed as dist
 
@@ -50,7 +47,6 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
         res.checks.append(Check(name, bool(ok), detail))
 
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         dc = native()
         config = SimpleNamespace(double_buffer=True, free_activation_threshold=0)
@@ -114,32 +110,16 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - reported as a failed check
         res.checks.append(Check("rank ran to the end", False, f"{type(e).__name__}: {e}"))
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(res, f)
+    return res
 
 
 def run_selftest(world_size: int = 2, timeout: float = 120.0) -> List[Check]:
     """Run the self-test on ``world_size`` gloo ranks; returns rank 0's checks plus agreement."""
-    import pickle
-
-    import torch.multiprocessing as mp
-
     start = time.monotonic()
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_rank, args=(world_size, free_port(), out_dir), nprocs=world_size,
-                                 join=False, start_method="spawn")
-        try:
-            while not ctx.join(timeout=timeout):
-                pass
-        except Exception as e:  # noqa: BLE001
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            return [Check("ranks finished", False, str(e).splitlines()[0] if str(e) else repr(e))]
-        results = []
-        for r in range(world_size):
-            with open(os.path.join(out_dir, f"{r}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
+    try:
+        results = run_ranks(_rank, world_size, timeout=timeout, name="ds-z3native-selftest-rank")
+    except RanksFailed as e:
+        return [Check("ranks finished", False, e.first.summary)]
     checks = list(results[0].checks)
     agree = all([(c.name, c.ok) for c in r.checks] == [(c.name, c.ok) for c in checks] for r in results)
     checks.append(Check(f"all {world_size} ranks agree", agree))

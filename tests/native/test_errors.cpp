@@ -346,5 +346,19 @@ TEST(CurrentRuntime, ACallKeepsItsRuntimeThroughCleanupAndInit)
     EXPECT_EQ(held.use_count(), 1);  // the last call to return ends it
 }
 
+TEST(CurrentRuntime, DefaultsAreCheckedAndOutliveCleanup)
+{
+    current_runtime::setDefaults(RuntimeDefaults{4096}, "set_default_persistence_budget");
+    current_runtime::replace(singleRankRuntime());
+    current_runtime::destroy();
+    EXPECT_EQ(current_runtime::defaults().persistence_budget_bytes, std::optional<int64_t>(4096));
+    EXPECT_TRUE(throwsNaming(
+        [] { current_runtime::setDefaults(RuntimeDefaults{-1}, "set_default_persistence_budget"); },
+        {"set_default_persistence_budget", "-1"}));
+    EXPECT_EQ(current_runtime::defaults().persistence_budget_bytes, std::optional<int64_t>(4096));
+    current_runtime::setDefaults(RuntimeDefaults{}, "set_default_persistence_budget");
+    EXPECT_FALSE(current_runtime::defaults().persistence_budget_bytes.has_value());
+}
+
 }  // namespace
 }  // namespace dsz::test

@@ -100,6 +100,7 @@ NATIVE_FUNCTIONS: Dict[str, Arity] = {
     "reset_comm_stats": Arity(0, 0),
     "param_state": Arity(1, 1, ("ds_id",)),
     "set_persistence_budget": Arity(1, 1, ("bytes",)),
+    "set_default_persistence_budget": Arity(1, 1, ("bytes",)),
     "persistence_info": Arity(0, 0),
     "alias_graph": Arity(2, 2, ("alias_id", "graph_id")),
     "graph_aliases": Arity(0, 0),

@@ -10,58 +10,44 @@ param kept persistent. Where memory matters more than overlap, a budget bounds t
 
 * :data:`DEEPCOMPILE_PREFETCH_BUDGET` (every release whose ``prefetch`` pass has
   ``MAX_BUFFERED_SIZE``): while ``schedule_prefetch`` runs, ``MAX_BUFFERED_SIZE`` is the smaller
-  of DeepSpeed's value and the budget (``DS_Z3NATIVE_PREFETCH_BUDGET_MB``, set by
-  ``ds_z3native.set_prefetch_budget``); without a budget the pass runs untouched. A budget of 0
-  leaves each gather just before its first use. The value is restored after each call, so the
-  module constant is never left changed.
+  of DeepSpeed's value and the budget (``ds_z3native.set_prefetch_budget``, default
+  ``DS_Z3NATIVE_PREFETCH_BUDGET_MB``: :mod:`ds_z3native.settings`), read at each call; without a
+  budget the pass runs untouched. A budget of 0 leaves each gather just before its first use.
+  The value is restored after each call, so the module constant is never left changed.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
 from typing import Any, Callable, Optional
 
 from packaging.version import Version
 
+from .. import settings
 from . import Patch, Undo
 from ._rebind import when_module_imported, wrap_function
 
-__all__ = ["PREFETCH_BUDGET_ENV", "PREFETCH_MODULE", "DEEPCOMPILE_PREFETCH_BUDGET", "PATCHES",
-           "parse_budget_mib", "prefetch_budget_bytes", "patch_prefetch_budget"]
+__all__ = ["PREFETCH_MODULE", "DEEPCOMPILE_PREFETCH_BUDGET", "PATCHES", "prefetch_budget_bytes",
+           "patch_prefetch_budget"]
 
 log = logging.getLogger(__name__)
 
-PREFETCH_BUDGET_ENV = "DS_Z3NATIVE_PREFETCH_BUDGET_MB"
 PREFETCH_MODULE = "deepspeed.compile.passes.prefetch"
 
 
-def parse_budget_mib(value: Any, what: str) -> float:
-    """``value`` as a budget in MiB: a finite number in [0, 1e12); ValueError naming ``what``
-    (the function or variable it came from) otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or value >= 1e12:
-        raise ValueError(f"{what}: expected MiB in [0, 1e12) or None, got {value!r}")
-    return float(value)
-
-
 def prefetch_budget_bytes() -> Optional[int]:
-    """The prefetch budget in bytes from ``DS_Z3NATIVE_PREFETCH_BUDGET_MB``; None when unset or
-    empty (DeepSpeed's window). A malformed value raises ValueError naming the variable."""
-    raw = os.environ.get(PREFETCH_BUDGET_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{PREFETCH_BUDGET_ENV}: expected MiB in [0, 1e12), got {raw!r}") from None
-    return int(parse_budget_mib(value, PREFETCH_BUDGET_ENV) * 1024 * 1024)
+    """The prefetch budget in effect, in bytes (:func:`ds_z3native.settings.current`); None:
+    DeepSpeed's window."""
+    return settings.current().prefetch_budget_bytes
 
 
-def _within_budget(schedule_prefetch: Callable, module: Any) -> Callable:
+def _within_budget(schedule_prefetch: Callable, module: Any,
+                   budget_bytes: Callable[[], Optional[int]]) -> Callable:
+    """``schedule_prefetch`` run with ``module.MAX_BUFFERED_SIZE`` at most ``budget_bytes()``
+    (asked at each call: a setter may change it after install)."""
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        budget = prefetch_budget_bytes()
+        budget = budget_bytes()
         if budget is None:
             return schedule_prefetch(*args, **kwargs)
         original = module.MAX_BUFFERED_SIZE
@@ -76,9 +62,10 @@ def _within_budget(schedule_prefetch: Callable, module: Any) -> Callable:
     return wrapper
 
 
-def patch_prefetch_budget() -> Undo:
+def patch_prefetch_budget(budget_bytes: Callable[[], Optional[int]] = prefetch_budget_bytes
+                          ) -> Undo:
     """Wrap ``schedule_prefetch`` (once DeepSpeed imports its prefetch pass) so that it honours
-    the budget; the undo restores it."""
+    ``budget_bytes()`` (default: this process's settings); the undo restores it."""
 
     def apply() -> Undo:
         import importlib
@@ -89,7 +76,7 @@ def patch_prefetch_budget() -> Undo:
                         "apply to this DeepSpeed", PREFETCH_MODULE)
             return lambda: None
         return wrap_function([module], "schedule_prefetch",
-                             lambda original: _within_budget(original, module))
+                             lambda original: _within_budget(original, module, budget_bytes))
 
     return when_module_imported(PREFETCH_MODULE, apply)
 

@@ -11,7 +11,8 @@ order of gathers and of the prefetch list; the graph ids were already canonical)
 profile's device times are 0 and a second run hits.
 
 * :data:`DEEPCOMPILE_PROFILE_STORE` (every release this package supports): with a store directory
-  set (:func:`ds_z3native.set_profile_store`, or ``DS_Z3NATIVE_PROFILE_STORE``), each complete
+  set (:func:`ds_z3native.set_profile_store`, default ``DS_Z3NATIVE_PROFILE_STORE``:
+  :mod:`ds_z3native.settings`, asked at each profile), each complete
   profile of a graph is written there under a fingerprint of the graph (node names, ops,
   targets, argument structure and tensor shapes; DeepSpeed and torch versions, device name,
   process-group size), the how-manieth profile of that graph in the run it is (DeepCompile
@@ -40,16 +41,16 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 from packaging.version import Version
 
+from .. import settings
 from . import Patch, Undo
 from ._rebind import undo_all, when_module_imported, wrap_function, wrap_method
 
-__all__ = ["PROFILE_STORE_ENV", "PROFILE_MODULE", "COMM_PROFILE_MODULE", "NODE_KEYS",
+__all__ = ["PROFILE_MODULE", "COMM_PROFILE_MODULE", "NODE_KEYS",
            "profile_store", "graph_fingerprint", "store_stats", "reset_store_stats",
            "patch_profile_store", "DEEPCOMPILE_PROFILE_STORE", "PATCHES"]
 
 log = logging.getLogger(__name__)
 
-PROFILE_STORE_ENV = "DS_Z3NATIVE_PROFILE_STORE"
 PROFILE_MODULE = "deepspeed.compile.profilers.graph_profile"
 COMM_PROFILE_MODULE = "deepspeed.compile.profilers.comm_profile"
 # What DeepSpeed's profilers write into each node's meta (the last two since 0.19.8).
@@ -66,9 +67,8 @@ _occurrences: Dict[str, int] = {}
 
 
 def profile_store() -> Optional[Path]:
-    """The store directory in effect (``DS_Z3NATIVE_PROFILE_STORE``), or None."""
-    value = os.environ.get(PROFILE_STORE_ENV, "").strip()
-    return Path(value) if value else None
+    """The store directory in effect (:func:`ds_z3native.settings.current`), or None."""
+    return settings.current().profile_store
 
 
 def store_stats() -> Dict[str, int]:
@@ -197,13 +197,15 @@ def _save(path: Path, record: Dict[str, Any]) -> None:
 
 
 def _with_store(kind: str, complete: Callable[[Any, Any], bool], capture: Callable[[Any], Dict[str, Any]],
-                replay: Callable[[Any, Dict[str, Any]], None]) -> Callable[[Callable], Callable]:
-    """A wrapper of a profiler's ``run`` that records its profile, or replays a stored one."""
+                replay: Callable[[Any, Dict[str, Any]], None],
+                store_dir: Callable[[], Optional[Path]] = profile_store) -> Callable[[Callable], Callable]:
+    """A wrapper of a profiler's ``run`` that records its profile in ``store_dir()``, or replays a
+    stored one (``store_dir()`` None: the profiler's own result)."""
 
     def make(run: Callable) -> Callable:
         def run_with_profile_store(self: Any, *args: Any) -> Any:
             out = run(self, *args)
-            store = profile_store()
+            store = store_dir()
             if store is None:
                 return out
             rank, size = _group_info(self)
@@ -274,13 +276,14 @@ def _replay_memory(interp: Any, stored: Dict[str, Any]) -> None:
     interp.mem_record = [tuple(r) for r in stored.get("mem_record", [])]
 
 
-def _with_comm_store(run_all_gather: Callable) -> Callable:
+def _with_comm_store(run_all_gather: Callable,
+                     store_dir: Callable[[], Optional[Path]] = profile_store) -> Callable:
     """A wrapper of DeepSpeed's all-gather benchmark (``comm_profile.run_all_gather``, what its
-    prefetch pass predicts gather times from, once per process) that records its timings, or
-    replays stored ones on every rank, skipping the benchmark."""
+    prefetch pass predicts gather times from, once per process) that records its timings in
+    ``store_dir()``, or replays stored ones on every rank, skipping the benchmark."""
 
     def run_all_gather_with_store(device: Any, dtype: Any, *args: Any, **kwargs: Any) -> Any:
-        store = profile_store()
+        store = store_dir()
         if store is None:
             return run_all_gather(device, dtype, *args, **kwargs)
         import torch.distributed as dist
@@ -303,8 +306,10 @@ def _with_comm_store(run_all_gather: Callable) -> Callable:
     return run_all_gather_with_store
 
 
-def patch_profile_store() -> Undo:
-    """Wrap ``run`` of DeepSpeed's two profilers (once DeepSpeed imports them) with the store."""
+def patch_profile_store(store_dir: Callable[[], Optional[Path]] = profile_store) -> Undo:
+    """Wrap ``run`` of DeepSpeed's two profilers and its all-gather benchmark (once DeepSpeed
+    imports them) with the store ``store_dir()`` names at each call (default: this process's
+    settings)."""
 
     def apply() -> Undo:
         import importlib
@@ -312,11 +317,11 @@ def patch_profile_store() -> Undo:
         module = importlib.import_module(PROFILE_MODULE)
         undos = [wrap_method(module.ProfilingInterpreter, "run",
                              _with_store("operator", _operator_profile_complete, _capture_nodes,
-                                         _replay_nodes))]
+                                         _replay_nodes, store_dir))]
         if hasattr(module, "MemoryProfilingInterpreter"):
             undos.append(wrap_method(module.MemoryProfilingInterpreter, "run",
                                      _with_store("memory", _memory_profile_complete,
-                                                 _capture_memory, _replay_memory)))
+                                                 _capture_memory, _replay_memory, store_dir)))
         return undo_all(undos)
 
     def apply_comm() -> Undo:
@@ -325,7 +330,8 @@ def patch_profile_store() -> Undo:
         module = importlib.import_module(COMM_PROFILE_MODULE)
         if not hasattr(module, "run_all_gather"):
             return lambda: None
-        return wrap_function([module], "run_all_gather", _with_comm_store)
+        return wrap_function([module], "run_all_gather",
+                             lambda original: _with_comm_store(original, store_dir))
 
     return undo_all([when_module_imported(PROFILE_MODULE, apply),
                      when_module_imported(COMM_PROFILE_MODULE, apply_comm)])

@@ -1,0 +1,164 @@
+"""ds_z3native's settings: the persistence budget, the prefetch budget and the profile store.
+
+One :class:`Settings` value per process, held here and handed to those that use it: the native
+runtime (``_C.set_default_persistence_budget``, pushed by ``ds_z3native``), DeepCompile's
+prefetch pass (``compat.deepcompile_prefetch``) and its profilers
+(``compat.deepcompile_profile_store``).
+
+The environment gives the defaults, read once: the first time a setting is needed in this
+process (loading the native module, ``install()``, a setter, or a consumer, whichever comes
+first). Later changes of ``os.environ`` are not seen; the setters
+(``ds_z3native.set_persistence_budget`` and the others) change this process's settings and never
+write ``os.environ``. A child process (a spawned rank, a subprocess) reads its own environment,
+the variables below, which it inherits from this process's environment, not the setters' values.
+
+Every value is checked by :func:`check_budget_mib` or :func:`check_profile_store`, and a bad one
+is refused with a ValueError naming where it came from (the setter or the variable) and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, List, Mapping, Optional
+
+__all__ = ["Settings", "PERSISTENCE_BUDGET_ENV", "PREFETCH_BUDGET_ENV", "PROFILE_STORE_ENV",
+           "MAX_BUDGET_MIB", "check_budget_mib", "check_profile_store", "current", "subscribe",
+           "update", "use"]
+
+PERSISTENCE_BUDGET_ENV = "DS_Z3NATIVE_PERSISTENCE_BUDGET_MB"
+PREFETCH_BUDGET_ENV = "DS_Z3NATIVE_PREFETCH_BUDGET_MB"
+PROFILE_STORE_ENV = "DS_Z3NATIVE_PROFILE_STORE"
+MAX_BUDGET_MIB = 1e12  # exclusive; far above any device, and still exact in int64 bytes
+
+
+def check_budget_mib(value: Any, what: str) -> Optional[float]:
+    """``value`` as a budget in MiB: None (no cap) or a finite number in [0, 1e12); ValueError
+    naming ``what`` (the setter or variable it came from) and the value otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or value >= MAX_BUDGET_MIB:
+        raise ValueError(f"{what}: expected MiB in [0, 1e12) or None, got {value!r}")
+    return float(value)
+
+
+def check_profile_store(value: Any, what: str) -> Optional[Path]:
+    """``value`` as a profile store directory: None (no store) or a non-empty path; ValueError
+    naming ``what`` and the value otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{what}: expected a directory (str or os.PathLike) or None, got "
+                         f"{value!r}")
+    path = os.fspath(value)
+    if not str(path).strip():
+        raise ValueError(f"{what}: the directory is empty ({value!r}); pass None to turn the "
+                         "store off")
+    return Path(path)
+
+
+def _mib_to_bytes(mib: Optional[float]) -> Optional[int]:
+    return None if mib is None else int(mib * 1024 * 1024)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings of this process; None in a field means DeepSpeed's behaviour."""
+
+    persistence_budget_mib: Optional[float] = None
+    prefetch_budget_mib: Optional[float] = None
+    profile_store: Optional[Path] = None
+
+    def __post_init__(self) -> None:
+        check_budget_mib(self.persistence_budget_mib, "Settings.persistence_budget_mib")
+        check_budget_mib(self.prefetch_budget_mib, "Settings.prefetch_budget_mib")
+        check_profile_store(self.profile_store, "Settings.profile_store")
+
+    @property
+    def persistence_budget_bytes(self) -> Optional[int]:
+        """The persistence budget in bytes (what the native runtime takes), or None."""
+        return _mib_to_bytes(self.persistence_budget_mib)
+
+    @property
+    def prefetch_budget_bytes(self) -> Optional[int]:
+        """The prefetch budget in bytes, or None."""
+        return _mib_to_bytes(self.prefetch_budget_mib)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "Settings":
+        """The settings ``environ`` gives (unset or empty: None); ValueError naming the variable
+        and its value when one is malformed."""
+
+        def budget(name: str) -> Optional[float]:
+            raw = environ.get(name, "").strip()
+            if not raw:
+                return None
+            try:
+                return check_budget_mib(float(raw), name)
+            except ValueError:
+                raise ValueError(f"{name}: expected MiB in [0, 1e12), got {raw!r} (unset it "
+                                 "for no cap)") from None
+
+        store = environ.get(PROFILE_STORE_ENV, "").strip()
+        return cls(persistence_budget_mib=budget(PERSISTENCE_BUDGET_ENV),
+                   prefetch_budget_mib=budget(PREFETCH_BUDGET_ENV),
+                   profile_store=Path(store) if store else None)
+
+
+_lock = threading.Lock()
+_current: Optional[Settings] = None  # None until first needed: then read from the environment
+_subscribers: List[Callable[[Settings], None]] = []
+
+
+def current() -> Settings:
+    """This process's settings (on the first call: read from ``os.environ``)."""
+    global _current
+    with _lock:
+        if _current is None:
+            _current = Settings.from_env(os.environ)
+        return _current
+
+
+def subscribe(apply: Callable[[Settings], None]) -> None:
+    """Call ``apply`` with the settings now and after every change (how the native module gets
+    its persistence budget)."""
+    settings = current()
+    with _lock:
+        _subscribers.append(apply)
+    apply(settings)
+
+
+def _publish(settings: Settings) -> Settings:
+    with _lock:
+        subscribers = list(_subscribers)
+    for apply in subscribers:
+        apply(settings)
+    return settings
+
+
+def update(**changes: Any) -> Settings:
+    """Replace fields of this process's settings (each checked by the caller, whose name the
+    message gives) and hand the result to the subscribers; returns it."""
+    global _current
+    base = current()
+    with _lock:
+        _current = new = dataclasses.replace(_current or base, **changes)
+    return _publish(new)
+
+
+def use(settings: Settings) -> Settings:
+    """Make ``settings`` this process's settings (for tests, or ``Settings.from_env(os.environ)``
+    in a process that changed its environment on purpose); returns the previous ones."""
+    global _current
+    if not isinstance(settings, Settings):
+        raise TypeError(f"use: expected a Settings, got {type(settings).__name__}")
+    previous = current()
+    with _lock:
+        _current = settings
+    _publish(settings)
+    return previous

@@ -1,0 +1,135 @@
+"""``ds_z3native.settings``: the persistence and prefetch budgets and the profile store are one
+settings value per process. The environment gives the defaults, read once; the setters change the
+settings and never ``os.environ``; the consumers get the values from the settings; bad values are
+refused with a message naming the setter or variable and the value; a child process reads its
+own environment, not the parent's setters."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+import ds_z3native
+from ds_z3native import settings
+from ds_z3native.compat import deepcompile_prefetch, deepcompile_profile_store
+from ds_z3native.settings import (PERSISTENCE_BUDGET_ENV, PREFETCH_BUDGET_ENV, PROFILE_STORE_ENV,
+                                  Settings)
+from helpers.dist import run_python
+
+
+def test_the_environment_gives_the_defaults() -> None:
+    s = Settings.from_env({PERSISTENCE_BUDGET_ENV: "1.5", PREFETCH_BUDGET_ENV: " 0 ",
+                           PROFILE_STORE_ENV: "/tmp/profiles"})
+    assert s == Settings(1.5, 0.0, Path("/tmp/profiles"))
+    assert (s.persistence_budget_bytes, s.prefetch_budget_bytes) == (1572864, 0)
+    assert Settings.from_env({}) == Settings.from_env(
+        {PERSISTENCE_BUDGET_ENV: "", PREFETCH_BUDGET_ENV: "", PROFILE_STORE_ENV: " "}) == Settings()
+
+
+@pytest.mark.parametrize("name", [PERSISTENCE_BUDGET_ENV, PREFETCH_BUDGET_ENV])
+@pytest.mark.parametrize("raw", ["lots", "-1", "nan", "inf", "1e12"])
+def test_a_malformed_variable_is_refused_naming_it_and_its_value(name: str, raw: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{name}: expected MiB in \[0, 1e12\).*{re.escape(repr(raw))}"):
+        Settings.from_env({name: raw})
+
+
+def test_each_value_is_checked_once_whoever_sets_it() -> None:
+    for bad in (-1, math.nan, math.inf, 1e12, True, "2"):
+        with pytest.raises(ValueError, match=re.escape(f"Settings.prefetch_budget_mib: expected "
+                                                       f"MiB in [0, 1e12) or None, got {bad!r}")):
+            Settings(prefetch_budget_mib=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"set_profile_store: the directory is empty \(''\)"):
+        ds_z3native.set_profile_store("")
+    with pytest.raises(ValueError, match=r"set_profile_store: expected a directory .* got 5"):
+        ds_z3native.set_profile_store(5)  # type: ignore[arg-type]
+    assert settings.check_budget_mib(0, "x") == 0.0 and settings.check_budget_mib(None, "x") is None
+
+
+def test_the_setters_keep_their_state_out_of_the_environment(clean_settings, tmp_path: Path) -> None:
+    environ = dict(os.environ)
+    ds_z3native.set_persistence_budget(4)
+    ds_z3native.set_prefetch_budget(8)
+    ds_z3native.set_profile_store(tmp_path)
+    assert dict(os.environ) == environ
+    assert ds_z3native.current_settings() == Settings(4.0, 8.0, tmp_path)
+    # ... and the consumers see them.
+    assert deepcompile_prefetch.prefetch_budget_bytes() == 8 * 2**20
+    assert deepcompile_profile_store.profile_store() == tmp_path
+    ds_z3native.set_profile_store(None)
+    ds_z3native.set_prefetch_budget(None)
+    ds_z3native.set_persistence_budget(None)
+    assert ds_z3native.current_settings() == Settings()
+    assert dict(os.environ) == environ
+
+
+def test_the_environment_is_read_once(clean_settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PREFETCH_BUDGET_ENV, "3")
+    assert deepcompile_prefetch.prefetch_budget_bytes() is None  # read before: not looked at again
+    settings.use(Settings.from_env(os.environ))  # reading it again is explicit
+    assert deepcompile_prefetch.prefetch_budget_bytes() == 3 * 2**20
+
+
+def test_a_child_reads_its_own_environment_not_the_parents_setters(clean_settings) -> None:
+    ds_z3native.set_prefetch_budget(7)
+    code = ("import json, ds_z3native; s = ds_z3native.current_settings(); "
+            "print(json.dumps([s.persistence_budget_mib, s.prefetch_budget_mib, "
+            "None if s.profile_store is None else str(s.profile_store)]))")
+    env = {k: "" for k in (PERSISTENCE_BUDGET_ENV, PREFETCH_BUDGET_ENV, PROFILE_STORE_ENV)}
+    r = run_python(code, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == [None, None, None]
+    env.update({PERSISTENCE_BUDGET_ENV: "2", PREFETCH_BUDGET_ENV: "3", PROFILE_STORE_ENV: "/p"})
+    r = run_python(code, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == [2.0, 3.0, "/p"]
+
+
+def test_a_malformed_variable_is_refused_before_the_native_module_loads() -> None:
+    code = """
+        import sys
+        import ds_z3native
+        try:
+            ds_z3native.native()
+        except ValueError as e:
+            print("refused:", e)
+        print("loaded:", "ds_z3native._C" in sys.modules)
+    """
+    r = run_python(code, env={PERSISTENCE_BUDGET_ENV: "lots"})
+    assert r.returncode == 0, r.stderr
+    assert (f"refused: {PERSISTENCE_BUDGET_ENV}: expected MiB in [0, 1e12), got 'lots'"
+            in r.stdout), r.stdout
+    assert "loaded: False" in r.stdout, r.stdout
+
+
+def test_the_native_default_follows_the_settings() -> None:
+    # In a fresh interpreter: the budget the environment gives reaches init() (through
+    # set_default_persistence_budget, not getenv), and a setter's value replaces it.
+    code = """
+        import os
+        import torch.distributed as dist
+        from types import SimpleNamespace
+        import ds_z3native
+        m = ds_z3native.native()
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % PORT, rank=0,
+                                world_size=1)
+        cfg = SimpleNamespace(double_buffer=True, free_activation_threshold=0)
+        os.environ["DS_Z3NATIVE_PERSISTENCE_BUDGET_MB"] = "lots"  # read already: not looked at
+        m.init(dist.group.WORLD, cfg, 64)
+        print("env:", m.persistence_info()["budget_bytes"])
+        ds_z3native.set_persistence_budget(0.5)
+        m.cleanup()
+        m.init(dist.group.WORLD, cfg, 64)
+        print("setter:", m.persistence_info()["budget_bytes"])
+        m.cleanup()
+        dist.destroy_process_group()
+    """
+    from ds_z3native._net import free_port
+
+    r = run_python(code.replace("PORT", str(free_port())), env={PERSISTENCE_BUDGET_ENV: "2"})
+    assert r.returncode == 0, r.stderr
+    assert "env: 2097152" in r.stdout and "setter: 524288" in r.stdout, r.stdout

@@ -834,6 +834,7 @@ def test_compile_scaling_gpu_plan_runs_each_depth_cold_warm_and_deepspeeds_op() 
         assert x["variant"] == ("dc-ckpt" if ours else "dc-ckpt-upstream")
         assert x["build_op_first"] is not ours  # DeepSpeed's JIT build stays out of its times
         assert ("DS_Z3NATIVE_PROFILE_STORE" in x["env"]) is ours
+        assert x["env"].get("DS_Z3NATIVE") == (None if ours else "0")  # no zero-code install
     by_key = {x["output"][:-len(".json")]: x["env"] for x in runs}
     caches = [env["TORCHINDUCTOR_CACHE_DIR"] for env in by_key.values()]
     for n in (2, 4, 8, 16):
@@ -957,6 +958,25 @@ def test_report_tables_compile_scaling_and_sums_it_up(tmp_path: Path) -> None:
     result["summary"] = summarize_scaling(result["runs"], [8, 16])
     (tmp_path / "compile_scaling.json").write_text(json.dumps(result))
     assert "| DeepCompile" not in report.render_summary(report.load_results(tmp_path))
+
+
+def test_compile_scaling_keeps_the_runs_it_replaces() -> None:
+    from bench.benchmarks.compile_scaling import keep_history
+
+    first = {"mode": "full", "note": "Measured on day one.",
+             "runs": {"ours-cold-16l": {"variant": "ours-cold", "run": "day-one"}}}
+    second: Dict[str, Any] = {"runs": {"ours-cold-16l": {"variant": "ours-cold", "run": "day-two"}}}
+    keep_history(second, first)
+    assert second["replaced"] == [{"variant": "ours-cold", "run": "day-one", "key": "ours-cold-16l"}]
+    assert second["replaced_notes"] == ["Measured on day one."]
+    third: Dict[str, Any] = {"runs": {}}
+    keep_history(third, {**second, "mode": "full"})
+    assert [r["run"] for r in third["replaced"]] == ["day-one", "day-two"]
+    assert third["replaced_notes"] == ["Measured on day one."]
+    for previous in (None, {**first, "mode": "smoke"}):  # nothing before it, or a smoke result
+        fresh: Dict[str, Any] = {"runs": {}}
+        keep_history(fresh, previous)
+        assert "replaced" not in fresh
 
 
 def test_run_command_echoes_the_process_output_as_it_comes(

@@ -43,7 +43,7 @@ from bench.core.schema import metric_value, read_json, run_ok, versions
 log = logging.getLogger("bench.benchmarks.compile_scaling")
 
 __all__ = ["BENCHMARK", "LAYERS", "SMOKE_LAYERS", "STEPS", "SMOKE_STEPS", "ScalingRun", "plan",
-           "commands", "summarize_scaling"]
+           "commands", "summarize_scaling", "keep_history"]
 
 SCRIPT = "bench/lora_llama.py"
 LAYERS = (2, 4, 8, 16)
@@ -131,6 +131,8 @@ def _command(run: ScalingRun, ctx: BenchContext, steps: int) -> Command:
     env = {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor" / f"{run.implementation}-{run.layers}l")}
     if run.implementation == "ours":
         env["DS_Z3NATIVE_PROFILE_STORE"] = str(work / "profiles" / f"{run.layers}l")
+    else:  # DeepSpeed alone, whatever the shell's DS_Z3NATIVE says
+        env["DS_Z3NATIVE"] = "0"
     if ctx.smoke:
         env["DS_ACCELERATOR"] = "cpu"
     return Command([sys.executable, SCRIPT, "--variant", LORA_VARIANT[run.implementation], *size,
@@ -154,8 +156,8 @@ def _entry(run: ScalingRun, record: Optional[Mapping[str, Any]], code: Optional[
     entry.update(variant=run.variant, implementation=run.implementation, cache=run.cache,
                  layers=run.layers, lora_variant=LORA_VARIANT[run.implementation])
     if record is None:
-        entry.update(status="failed", error=f"no result written (exit {code}; see "
-                                            f"{ctx.work_dir / 'logs' / (run.label.replace(' ', '_') + '.log')})")
+        entry.update(status="failed", error=f"no result written (exit {code}; its log is in "
+                                            f"{ctx.work_dir / 'logs'})")
     elif record.get("status") == "not_available":
         entry["status"] = "not_available"
     elif record.get("error") or metric_value(record, "wall_to_last_step_s") is None:
@@ -194,7 +196,22 @@ def _execute(ctx: BenchContext) -> Dict[str, Any]:
                 unavailable = str(entry.get("reason"))
         out[run.key] = entry
         log.info("%s: %s", run.key, _brief(entry))
-    return _result(out, ctx, steps)
+    result = _result(out, ctx, steps)
+    if not ctx.smoke:
+        keep_history(result, read_json(ctx.output_dir / "compile_scaling.json"))
+    return result
+
+
+def keep_history(result: Dict[str, Any], previous: Optional[Mapping[str, Any]]) -> None:
+    """A run written over an earlier result keeps that result's runs (with what they had
+    replaced) in its ``replaced`` list and its footnote in ``replaced_notes``: no measured number
+    is lost. A smoke result is no history."""
+    if not previous or previous.get("mode") == "smoke":
+        return
+    earlier = [{**r, "key": k} for k, r in (previous.get("runs") or {}).items()]
+    result["replaced"] = [*previous.get("replaced", []), *earlier]
+    result["replaced_notes"] = [*previous.get("replaced_notes", []),
+                                *([previous["note"]] if previous.get("note") else [])]
 
 
 def _brief(entry: Mapping[str, Any]) -> str:

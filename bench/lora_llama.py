@@ -27,6 +27,9 @@ whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
 * ``dc-ckpt-lean``: ``dc-ckpt-lowmem`` with ``ds_z3native.set_prefetch_budget(0)`` as well: each
   param is gathered just before its first use (DeepSpeed prefetches up to 4e9 bytes ahead);
 * ``dc-upstream``: DeepCompile ZeRO-3 with DeepSpeed's own op (JIT-built), no checkpointing;
+* ``dc-ckpt-upstream``: ``dc-ckpt``'s setup (non-reentrant checkpointing) with DeepSpeed's own op
+  and without ds_z3native; run only when named (``--variants``, or the ``compile_scaling``
+  benchmark), not by a full ``lora_llama`` run;
 * ``trainer-dc-ckpt``: ``dc-ckpt`` driven by HF ``transformers.Trainer`` as a Trainer user runs it
   (``TrainingArguments(deepspeed=<the same config>, torch_compile=True, gradient_checkpointing=True,
   gradient_checkpointing_kwargs={"use_reentrant": False})``; accelerate calls ``engine.compile()``),
@@ -39,7 +42,10 @@ DeepCompile variants run ``--dc-steps`` steps (default 20) and report the time f
 profiling and a full recompile), the wall time to the last step, and step statistics over the
 steps after the re-plan; ``compile_seconds`` says where the first step's and the re-plan's
 compile time went (torch's own counters: Dynamo's tracing, AOTAutograd, inductor...). Eager
-variants time ``--steps`` steps after ``--warmup``.
+variants time ``--steps`` steps after ``--warmup``. ``--layers N`` gives the size N decoder
+layers (the ``compile_scaling`` benchmark's depths); ``--build-op-first`` loads a DeepSpeed-op
+variant's op before the clock starts (its JIT build is then not counted as compiling), and
+records the run as not available where DeepSpeed has no such op for its accelerator.
 
 Throughput: tokens/s = micro-batch x seq x world size / step time. Model FLOPs per step (what the
 model needs, not what the run executed: checkpointing's recompute is not counted) =
@@ -90,14 +96,21 @@ except ImportError:
 log = logging.getLogger("bench.lora_llama")
 
 VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-warm", "dc-ckpt",
-            "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream", "trainer-dc-ckpt")
+            "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream", "trainer-dc-ckpt",
+            "dc-ckpt-upstream")
 CHECKPOINTING = {"plain": "none", "none": "none", "upstream": "non-reentrant",
                  "ours": "non-reentrant", "reentrant": "reentrant", "dc": "none", "dc-warm": "none",
                  "dc-ckpt": "non-reentrant", "dc-ckpt-lowmem": "non-reentrant",
                  "dc-ckpt-lean": "non-reentrant",
-                 "dc-upstream": "none", "trainer-dc-ckpt": "non-reentrant"}
+                 "dc-upstream": "none", "trainer-dc-ckpt": "non-reentrant",
+                 "dc-ckpt-upstream": "non-reentrant"}
 DEEPCOMPILE = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream",
-               "trainer-dc-ckpt")
+               "trainer-dc-ckpt", "dc-ckpt-upstream")
+# DeepCompile with DeepSpeed's own op (no ds_z3native).
+UPSTREAM_DC = ("dc-upstream", "dc-ckpt-upstream")
+# Variants a full lora_llama run leaves out: they run when named (``--variants``) or by another
+# benchmark (``compile_scaling``).
+OPT_IN = ("dc-ckpt-upstream",)
 OURS_DC = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "trainer-dc-ckpt")
 # Variants HF Trainer drives (it enables checkpointing itself, from its arguments), each with the
 # variant of our own loop it repeats: merge gives it the ratio of its step time to that one's.
@@ -119,6 +132,8 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", choices=VARIANTS, required=True)
     p.add_argument("--size", choices=sorted(SIZES), default="1b")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: the size's own)")
     p.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dc-steps", type=int, default=20,
@@ -133,6 +148,9 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                         "at toy size)")
     p.add_argument("--no-track-gathered", action="store_true",
                    help="skip the extra instrumented step")
+    p.add_argument("--build-op-first", action="store_true",
+                   help="a DeepSpeed-op variant: load (JIT-build) DeepSpeed's op before the clock "
+                        "starts; not available where DeepSpeed has none for its accelerator")
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="profile two more steps after the timed ones; traces and op tables here")
     p.add_argument("--run", default=None, metavar="LABEL",
@@ -143,7 +161,46 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.trace is not None and args.variant in TRAINER:
         p.error(f"--trace profiles steps of our own loop; {args.variant} runs HF Trainer's")
+    if args.layers is not None and args.layers < 1:
+        p.error(f"--layers must be at least 1, got {args.layers}")
     return args
+
+
+class NotAvailable(RuntimeError):
+    """A variant this host cannot run at all (the message says why): a result, not a failure."""
+
+
+def model_config(args: argparse.Namespace) -> Dict[str, int]:
+    """The ``LlamaConfig`` fields of ``--size``, with ``--layers`` decoder layers where given."""
+    config = dict(SIZES[args.size])
+    if getattr(args, "layers", None) is not None:
+        config["num_hidden_layers"] = args.layers
+    return config
+
+
+def load_upstream_op() -> float:
+    """Loads DeepSpeed's own DeepCompile op the way its DeepCompile does (``get_deepcompile_handle``:
+    a JIT build into ``TORCH_EXTENSIONS_DIR`` the first time), so that a run's compile times
+    leave the build out; the seconds it took. ``NotAvailable`` where DeepSpeed's accelerator has
+    no implementation of the op (its CPU accelerator: the op is CUDA and NCCL code)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    builder = accelerator.create_op_builder("DeepCompileBuilder")
+    if builder is None or any(c.__name__ == "NotImplementedBuilder" for c in type(builder).__mro__):
+        raise NotAvailable(f"DeepSpeed has no DeepCompile op for its "
+                           f"{accelerator.device_name()} accelerator "
+                           f"({type(builder).__name__ if builder is not None else 'no builder'})")
+    start = time.perf_counter()
+    try:
+        from deepspeed.compile.util import get_deepcompile_handle
+    except ImportError:  # where DeepSpeed keeps no handle: its builder alone
+        builder.load()
+    else:
+        get_deepcompile_handle()
+    seconds = time.perf_counter() - start
+    log.info("DeepSpeed's DeepCompile op loaded in %.1f s (before the clock)", seconds)
+    return seconds
 
 
 def compile_seconds() -> Dict[str, float]:
@@ -170,6 +227,36 @@ def _compile_window(before: Dict[str, float], after: Dict[str, float],
         before = {}
     delta = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
     return dict(sorted(((k, v) for k, v in delta.items() if v >= floor_s), key=lambda kv: -kv[1]))
+
+
+def _compile_total(before: Dict[str, float], replan_before: Dict[str, float],
+                   last: Dict[str, float], floor_s: float = 0.05) -> Dict[str, float]:
+    """Compile seconds per counter from ``engine.compile()`` to the last step: up to the step
+    before the re-plan plus from there on (torch's counters restart where the re-plan resets
+    Dynamo, so one window across it would lose the first compile), largest first."""
+    first = _compile_window(before, replan_before, 0.0)
+    rest = _compile_window(replan_before, last, 0.0)
+    total = {k: round(first.get(k, 0.0) + rest.get(k, 0.0), 3) for k in first.keys() | rest.keys()}
+    return dict(sorted(((k, v) for k, v in total.items() if v >= floor_s), key=lambda kv: -kv[1]))
+
+
+def compile_counters() -> Dict[str, Dict[str, int]]:
+    """torch's compile event counters (``torch._dynamo.utils.counters``: frames, graph breaks,
+    captured calls, inductor's and AOTAutograd's cache outcomes...), counted since the process
+    started (Dynamo's reset at the re-plan keeps them); the groups this torch has, {} where it
+    has none."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception as e:  # noqa: BLE001 - a figure missing, not a failed run
+        log.warning("torch's compile counters are not readable here (%s)", e)
+        return {}
+    out: Dict[str, Dict[str, int]] = {}
+    for group, values in sorted(counters.items(), key=lambda kv: str(kv[0])):
+        numbers = {str(k): int(v) for k, v in values.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numbers:
+            out[str(group)] = dict(sorted(numbers.items()))
+    return out
 
 
 def _launcher_env() -> None:
@@ -201,7 +288,7 @@ def _build_model(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SIZES[args.size], max_position_embeddings=max(args.seq, 64),
+    config = LlamaConfig(**model_config(args), max_position_embeddings=max(args.seq, 64),
                          tie_word_embeddings=False, attn_implementation="sdpa")
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()
@@ -381,6 +468,8 @@ class _StepClock:
             self.marks["compile_to_first_step_s"] = time.perf_counter() - self._t0
         if self.deepcompile and i in (0, 4, 5):  # the first step, the re-plan's (6th) either side
             self.compile_marks[str(i)] = compile_seconds()
+        if self.deepcompile and i == self.total - 1:
+            self.compile_marks["last"] = compile_seconds()
         if i >= self.first_timed:
             self.times.append(elapsed * 1e3)
             if self._unwatch:
@@ -547,6 +636,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
         cpu_deepspeed()
         device = torch.device("cpu")
+    op_load_s = load_upstream_op() if variant in UPSTREAM_DC and args.build_op_first else None
     dtype_name = args.dtype or ("bf16" if on_gpu else "fp32")
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
     if variant == "plain":
@@ -557,6 +647,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     record: Dict[str, Any] = {"bench": "lora_llama", "variant": variant, "versions": _versions(),
                               "run": args.run}
+    if op_load_s is not None:
+        record["upstream_op_load_s"] = op_load_s  # not in any compile time below
     fix_mode = None
     if variant == "ours":
         from ds_z3native.compat.checkpoint_recompute import apply_recompute_fix, applied_mode
@@ -589,7 +681,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         config["compile"] = {"deepcompile": True}
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
     record["setup"] = {
-        "size": args.size, "model": {**SIZES[args.size], "params": n_params,
+        "size": args.size, "layers": args.layers,
+        "model": {**model_config(args), "params": n_params,
                                      "trainable": n_trainable, "lora_r": args.lora_r,
                                      "lora_targets": "all-linear"},
         "dtype": dtype_name, "micro_batch": args.micro_batch, "seq": args.seq,
@@ -629,7 +722,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         # Where the compile time went (torch's counters): to the end of step 1, and in the re-plan.
         record["compile_seconds"] = {
             "first_step": _compile_window(clock.compiled_before, compile_marks["0"]),
-            "replan": _compile_window(compile_marks["4"], compile_marks["5"])}
+            "replan": _compile_window(compile_marks["4"], compile_marks["5"]),
+            "to_last_step": _compile_total(clock.compiled_before, compile_marks["4"],
+                                           compile_marks["last"])}
+        record["compile_counters"] = compile_counters()
         import torch._dynamo.utils
 
         record["graph_breaks"] = int(sum(torch._dynamo.utils.counters["graph_break"].values()))
@@ -659,7 +755,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     tokens = args.micro_batch * args.seq * world_size
     median_s = record["step_ms"]["median"] / 1e3
     record["tokens_per_s"] = tokens / median_s
-    cfg = SIZES[args.size]
+    cfg = model_config(args)
     n_matmul = n_params - cfg["vocab_size"] * cfg["hidden_size"]  # minus the input embedding
     flops = model_flops_per_step(n_matmul, cfg["num_hidden_layers"], cfg["hidden_size"],
                                  args.seq, tokens // world_size)
@@ -734,7 +830,8 @@ def _comparable_setup(record: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     setup = record.get("setup")
     if not setup:
         return None
-    return {k: setup.get(k) for k in ("size", "world_size", "seq", "micro_batch", "device")}
+    return {k: setup.get(k) for k in ("size", "layers", "world_size", "seq", "micro_batch",
+                                      "device")}
 
 
 def bench_name(world_size: int) -> str:
@@ -830,6 +927,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parse(argv)
     try:
         record = run(args)
+        code = 0
+    except NotAvailable as e:  # not a failure: this host has no way to run it
+        log.warning("%s: not available: %s", args.variant, e)
+        record = {"bench": "lora_llama", "variant": args.variant, "status": "not_available",
+                  "reason": str(e), "versions": _versions(), "run": args.run}
         code = 0
     except Exception as e:  # noqa: BLE001 - a failed variant is a result too
         log.error("%s failed: %s", args.variant, e)

@@ -41,7 +41,8 @@ END = "<!-- bench-table:end -->"
 SUMMARY_BEGIN = "<!-- bench-summary:begin -->"
 SUMMARY_END = "<!-- bench-summary:end -->"
 TABLES = ROOT / "docs" / "benchmarks.md"
-ORDER = ("deepcompile_first_step", "native_micro", "lora_llama", "lora_llama_ws2")
+ORDER = ("deepcompile_first_step", "native_micro", "lora_llama", "lora_llama_ws2",
+         "compile_scaling")
 # Ratio baselines of results written without one (e.g. lora_llama.py's merge output).
 BASELINES: Dict[str, Tuple[Tuple[str, ...], bool]] = {
     "deepcompile_first_step": (("deepspeed-jit",), True),
@@ -207,7 +208,8 @@ def _native_micro(result: Mapping[str, Any]) -> List[str]:
 
 
 _LORA_ORDER = ("plain", "none", "upstream", "reentrant", "ours", "dc", "dc-warm", "dc-ckpt",
-               "trainer-dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream")
+               "trainer-dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream",
+               "dc-ckpt-upstream")
 _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "upstream": "eager ZeRO-3, DeepSpeed's own", "reentrant": "eager ZeRO-3",
               "ours": "eager ZeRO-3 + ds_z3native holds", "dc": "DeepCompile + ds_z3native",
@@ -217,7 +219,8 @@ _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
                                  "`TrainingArguments`)",
               "dc-ckpt-lowmem": "DeepCompile + ds_z3native, persistence budget 0",
               "dc-ckpt-lean": "DeepCompile + ds_z3native, persistence and prefetch budgets 0",
-              "dc-upstream": "DeepCompile, DeepSpeed's JIT op"}
+              "dc-upstream": "DeepCompile, DeepSpeed's JIT op",
+              "dc-ckpt-upstream": "DeepCompile, DeepSpeed's JIT op"}
 
 
 def _lora_speedup(r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> Optional[str]:
@@ -354,9 +357,84 @@ def _generic(result: Mapping[str, Any]) -> List[str]:
         ["run", "ms/step (min–max)", "ratio", "peak"], rows)
 
 
+# compile_scaling: torch's compile-time counters shown per phase (whichever this torch names).
+_PHASES = (("Dynamo, all", "_compile.compile_inner"),
+           ("backend", "OutputGraph.call_user_compiler"),
+           ("AOTAutograd", "create_aot_dispatcher_function"),
+           ("inductor", "compile_fx_inner"))
+
+
+def _scaling_run(result: Mapping[str, Any], variant: str, layers: int) -> Optional[Mapping[str, Any]]:
+    """The ``compile_scaling`` run of ``variant`` (``ours-cold``...) at ``layers``."""
+    return result["runs"].get(f"{variant}-{layers}l")
+
+
+def _scaling_cell(r: Optional[Mapping[str, Any]]) -> str:
+    """A run's seconds to the end of step 1 / of its re-plan step / to the last step."""
+    if r is None:
+        return "-"
+    if not run_ok(r):
+        return _error(r)
+    return " / ".join(_num(metric_value(r, k), "{:.0f}") for k in (
+        "compile_to_first_step_s", "replan_step_s", "wall_to_last_step_s")) + " s"
+
+
+def _scaling_ratio(a: Optional[Mapping[str, Any]], b: Optional[Mapping[str, Any]]) -> str:
+    """``a``'s wall time to the last step over ``b``'s."""
+    if a is None or b is None or not run_ok(a) or not run_ok(b):
+        return "-"
+    x, y = metric_value(a, "wall_to_last_step_s"), metric_value(b, "wall_to_last_step_s")
+    return f"{x / y:.2f}x" if x is not None and y else "-"
+
+
+def _params(n: Any) -> str:
+    """A parameter count in B (M below 0.1 B)."""
+    if not isinstance(n, (int, float)):
+        return "-"
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.1f} M"
+
+
+def _compile_scaling(result: Mapping[str, Any]) -> List[str]:
+    runs = result["runs"]
+    s = result.get("setup") or {}
+    model = s.get("model") or {}
+    last = s.get("last_step", "?")
+    depths = sorted({int(r["layers"]) for r in runs.values()
+                     if isinstance(r.get("layers"), int)})
+    rows = []
+    for n in depths:
+        cold, warm, theirs = (_scaling_run(result, v, n)
+                              for v in ("ours-cold", "ours-warm", "deepspeed-cold"))
+        params = next((((r.get("setup") or {}).get("model") or {}).get("params")
+                       for r in (cold, warm, theirs) if r and r.get("setup")), None)
+        phases = ((cold or {}).get("compile_seconds") or {}).get("to_last_step") or {}
+        rows.append([str(n), _params(params),
+                     _scaling_cell(cold), _scaling_cell(warm), _scaling_cell(theirs),
+                     _scaling_ratio(cold, theirs), _scaling_ratio(warm, theirs),
+                     " / ".join(_num(phases.get(key), "{:.0f}") for _, key in _PHASES)
+                     if cold and run_ok(cold) else "-"])
+    shape = ", ".join(f"{label} {model[key]}" for label, key in (
+        ("hidden", "hidden_size"), ("MLP", "intermediate_size"), ("heads", "num_attention_heads"),
+        ("vocab", "vocab_size")) if key in model)
+    title = ("**DeepCompile's time to a steady state against depth** (the "
+             + ("1 B LoRA shape" if s.get("size") == "1b" else f"`{s.get('size', '?')}` shape")
+             + (f", {shape}" if shape else "") + ", at each depth; `dc-ckpt`: DeepCompile, "
+             f"{s.get('checkpointing', '?')} checkpointing, LoRA r={model.get('lora_r', '?')}, "
+             f"micro-batch {s.get('micro_batch', '?')} x {s.get('seq', '?')} tokens, "
+             f"{s.get('dtype', '?')}, one {s.get('device', '?')}; a cell: seconds from "
+             f"`engine.compile()` to the end of step 1 / the re-plan step (step 6) alone / from "
+             f"`engine.compile()` to the end of step {last}):")
+    return [title, ""] + _table(
+        ["layers", "params", "ds_z3native, cold", "ds_z3native, warm (cache and profile store "
+         "of the cold run)", "DeepSpeed's op, cold", f"ours cold / DeepSpeed's, to step {last}",
+         f"ours warm / DeepSpeed's cold, to step {last}",
+         "ours cold, torch compile_times to step " + str(last) + ": "
+         + " / ".join(label for label, _ in _PHASES) + " (s)"], rows)
+
+
 _FORMATTERS: Dict[str, Callable[[Mapping[str, Any]], List[str]]] = {
     "deepcompile_first_step": _first_step, "native_micro": _native_micro,
-    "lora_llama": _lora}
+    "lora_llama": _lora, "compile_scaling": _compile_scaling}
 
 
 def render_block(results: Mapping[str, Mapping[str, Any]]) -> str:
@@ -462,9 +540,33 @@ def _summary_lora(result: Mapping[str, Any]) -> List[List[str]]:
     return rows
 
 
+def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
+    """At the run's deepest depth: our cold and warm wall time to the last step against
+    DeepSpeed's op's cold one (no row without both cold runs)."""
+    summary = result.get("summary") or {}
+    n = summary.get("layers")
+    cold, warm, theirs = (_scaling_run(result, v, n) if isinstance(n, int) else None
+                          for v in ("ours-cold", "ours-warm", "deepspeed-cold"))
+    ratio = summary.get("cold_vs_deepspeed")
+    if not isinstance(ratio, (int, float)) or cold is None or theirs is None:
+        return []
+    warm_ratio = summary.get("warm_vs_deepspeed")
+    last = (result.get("setup") or {}).get("last_step", "?")
+    wall = "wall_to_last_step_s"
+    return [[f"DeepCompile, `engine.compile()` to the end of step {last}, {n} layers of the "
+             f"1 B LoRA shape, checkpointing",
+             f"{_num(metric_value(cold, wall), '{:.0f}')} s cold"
+             + (f", {_num(metric_value(warm, wall), '{:.0f}')} s warm"
+                if warm is not None and run_ok(warm) else ""),
+             f"{_num(metric_value(theirs, wall), '{:.0f}')} s (DeepSpeed's own op, cold)",
+             f"{ratio:.2f}x the time cold"
+             + (f", {warm_ratio:.2f}x warm" if isinstance(warm_ratio, (int, float)) else ""),
+             _measured(result, cold, gpus=1)]]
+
+
 _SUMMARIES: Dict[str, Callable[[Mapping[str, Any]], List[List[str]]]] = {
     "deepcompile_first_step": _summary_first_step, "native_micro": _summary_native_micro,
-    "lora_llama": _summary_lora}
+    "lora_llama": _summary_lora, "compile_scaling": _summary_compile_scaling}
 
 
 def render_summary(results: Mapping[str, Mapping[str, Any]], tables: str = "docs/benchmarks.md"

@@ -16,7 +16,7 @@ from ds_z3native._net import free_port
 from bench.core.registry import BenchContext, Benchmark, deepspeed_envs, register
 from bench.core.runner import Command, run_command, run_commands
 from bench.core.schema import read_json, versions
-from bench.lora_llama import DEEPCOMPILE, TRAINER, VARIANTS, bench_name
+from bench.lora_llama import DEEPCOMPILE, OPT_IN, TRAINER, VARIANTS, bench_name
 
 __all__ = ["SCRIPT", "BENCHMARK", "check_lora_variants"]
 
@@ -69,6 +69,8 @@ def _lora_commands(ctx: BenchContext) -> List[Command]:
         variants = tuple(v for v in variants if v != "plain")
     if ctx.variants:
         variants = tuple(v for v in variants if v in ctx.variants)
+    else:  # a full run: the opt-in variants run only when named
+        variants = tuple(v for v in variants if v not in OPT_IN)
     check_lora_variants(variants)
     for ds, env in deepspeed_envs(ctx):
         # Another DeepSpeed is there for ds_z3native's fix on it: only "ours" runs on it.

@@ -102,6 +102,9 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="lora_llama: profile two more steps of each variant after its timed ones "
                         "(torch.profiler; DIR/<deepspeed>/<variant>-rank<r>.json and -top.txt)")
+    p.add_argument("--layers", default=None, metavar="N,M",
+                   help="compile_scaling: the decoder layer counts to run (default 2,4,8,16; "
+                        "2,4,8,16,32 adds the 32-layer run; --smoke: 2)")
     p.add_argument("--no-report", action="store_true",
                    help="do not regenerate the benchmark tables and plot afterwards (a full run "
                         "into bench/results does by default)")
@@ -138,15 +141,30 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
         except ValueError as e:
             print(f"--variants: {e}", file=sys.stderr)
             return 2
+    layers = None
+    if args.layers is not None:
+        try:
+            layers = [int(n) for n in args.layers.split(",") if n.strip()]
+        except ValueError:
+            layers = []
+        if names != ["compile_scaling"] or not layers or min(layers) < 1:
+            print(f"--layers applies to compile_scaling and takes layer counts of at least 1 "
+                  f"(e.g. 2,4,8,16,32); got {args.layers!r} for {args.name!r}", file=sys.stderr)
+            return 2
     ctx = BenchContext(output_dir=args.output_dir or (SMOKE_DIR if args.smoke else RESULTS_DIR),
                        smoke=args.smoke, steps=args.steps, repeats=args.repeats, ranks=args.ranks,
                        extra_deepspeed=_parse_extra(args.deepspeed_path), timeout=args.timeout,
-                       variants=variants, trace=args.trace)
+                       variants=variants, trace=args.trace, layers=layers)
     if args.dry_run:
         for name in names:
             for run_ctx in contexts_for(benches[name], ctx):
+                try:
+                    cmds = benches[name].commands(run_ctx)
+                except ValueError as e:  # a plan the arguments cannot make
+                    print(str(e), file=sys.stderr)
+                    return 2
                 print(f"# {name}" + (f" ({run_ctx.ranks} ranks)" if run_ctx.ranks else ""))
-                for cmd in benches[name].commands(run_ctx):
+                for cmd in cmds:
                     print(cmd.shell())
         return 0
     code = 0

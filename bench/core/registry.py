@@ -35,6 +35,7 @@ class BenchContext:
     work_root: Optional[Path] = None  # logs and intermediate files; a new temp dir by default
     variants: Optional[List[str]] = None  # lora_llama: only these, merged into the existing result
     trace: Optional[Path] = None  # lora_llama: torch.profiler traces of two more steps, here
+    layers: Optional[List[int]] = None  # compile_scaling: the depths (decoder layers) to run
     # One label for all runs of this invocation: a result's ratios compare runs of one label.
     run_id: str = dataclasses.field(default_factory=lambda: datetime.datetime.now(
         datetime.timezone.utc).isoformat(timespec="seconds"))

@@ -1,5 +1,6 @@
 """Running a benchmark's processes: ``Command`` and a supervisor that logs progress and stops a
-hung process tree with every thread's traceback in its log.
+hung process tree with every thread's traceback in its log. With ``echo`` the process's own
+output also goes to this process's log as it comes, each line after the command's label.
 
 A process past its timeout, and every process descended from it (a launcher's ranks too), gets
 SIGABRT first, which makes each Python process print every thread's traceback into the log
@@ -17,9 +18,10 @@ import resource
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import IO, Dict, List, Optional, Sequence
 
 from bench.core.schema import ROOT
 
@@ -44,9 +46,10 @@ class Command:
 
 
 def run_command(cmd: Command, log_dir: Path, timeout: float = 3600.0,
-                progress_every: float = 60.0) -> int:
+                progress_every: float = 60.0, echo: bool = False) -> int:
     """Run ``cmd`` (output to a log file under ``log_dir``), logging its start, a line every
     ``progress_every`` seconds while it runs, and its end; its exit code (124 on timeout).
+    ``echo``: each line the process writes is also logged as it comes (``label | line``).
 
     Past ``timeout`` the command and every process descended from it (a launcher's ranks too)
     get SIGABRT first, which makes each Python process print every thread's traceback into the
@@ -59,8 +62,15 @@ def run_command(cmd: Command, log_dir: Path, timeout: float = 3600.0,
     env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT at a timeout prints every thread's traceback
     log.info("%s: %s (log: %s)", cmd.label, cmd.shell(), log_path)
     start = time.monotonic()
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd.argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd.argv, stdout=subprocess.PIPE if echo else out,
+                                stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        pump = None
+        if echo:
+            assert proc.stdout is not None  # a pipe was asked for
+            pump = threading.Thread(target=_pump, args=(proc.stdout, out, cmd.label),
+                                    name=f"echo {cmd.label}", daemon=True)
+            pump.start()
         while True:
             try:
                 code = proc.wait(timeout=min(progress_every,
@@ -70,12 +80,31 @@ def run_command(cmd: Command, log_dir: Path, timeout: float = 3600.0,
                 elapsed = time.monotonic() - start
                 if elapsed >= timeout:
                     _stop_process_tree(proc)
+                    _join(pump)
                     log.error("%s: stopped after %.0f s (timeout %.0f s); the log ends:\n%s",
                               cmd.label, elapsed, timeout, _tail(log_path))
                     return 124
                 log.info("%s: still running (%.0f s)", cmd.label, elapsed)
+        _join(pump)
     log.info("%s: exit %d after %.1f s", cmd.label, code, time.monotonic() - start)
     return code
+
+
+def _pump(stream: IO[bytes], out: IO[bytes], label: str) -> None:
+    """Copy ``stream`` line by line into ``out`` (flushed: a stopped run's tail is read from it)
+    and log each line after ``label``, until the stream ends."""
+    for line in iter(stream.readline, b""):
+        out.write(line)
+        out.flush()
+        log.info("%s | %s", label, line.decode(errors="replace").rstrip())
+    stream.close()
+
+
+def _join(pump: Optional[threading.Thread], grace: float = 10.0) -> None:
+    """Wait up to ``grace`` seconds for the echo thread to copy what is left (a descendant that
+    outlived the process may hold the pipe open: then it is left to end with it)."""
+    if pump is not None:
+        pump.join(grace)
 
 
 def _stop_process_tree(proc: "subprocess.Popen[bytes]", grace: float = 10.0) -> None:
@@ -144,11 +173,12 @@ def _tail(path: Path, lines: int = 60, max_bytes: int = 65536) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def run_commands(cmds: Sequence[Command], log_dir: Path, timeout: float = 3600.0) -> List[int]:
-    """Run ``cmds`` one after another (logs under ``log_dir``) with ``[i/n]`` progress; their
-    exit codes."""
+def run_commands(cmds: Sequence[Command], log_dir: Path, timeout: float = 3600.0,
+                 echo: bool = False) -> List[int]:
+    """Run ``cmds`` one after another (logs under ``log_dir``; ``echo``: see ``run_command``)
+    with ``[i/n]`` progress; their exit codes."""
     codes = []
     for i, cmd in enumerate(cmds, 1):
         log.info("[%d/%d] %s", i, len(cmds), cmd.label)
-        codes.append(run_command(cmd, log_dir, timeout))
+        codes.append(run_command(cmd, log_dir, timeout, echo=echo))
     return codes

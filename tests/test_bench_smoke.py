@@ -979,6 +979,79 @@ def test_compile_scaling_keeps_the_runs_it_replaces() -> None:
         assert "replaced" not in fresh
 
 
+def test_compile_scaling_runs_spread_over_invocations_merge_into_one_result(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU host whose commands are limited in time, each run of a depth is its own
+    # invocation (--variants, one --run label, one --work-dir): the runs merge into one result
+    # whose summary compares them; a warm run finds its cold run's cache in the work dir.
+    import bench.benchmarks.compile_scaling as cs
+    from bench.core.registry import BenchContext
+
+    walls = {"ours-cold": 300.0, "ours-warm": 200.0, "deepspeed-cold": 400.0}
+    ran: List[str] = []
+
+    def fake_run(cmd: Any, logs: Path, timeout: float, echo: bool = False) -> int:
+        key = cmd.output.stem
+        ran.append(key)
+        Path(cmd.env["TORCHINDUCTOR_CACHE_DIR"]).mkdir(parents=True, exist_ok=True)
+        wall = walls[key.rsplit("-", 1)[0]]
+        cmd.output.parent.mkdir(parents=True, exist_ok=True)
+        cmd.output.write_text(json.dumps({
+            "bench": "lora_llama", "variant": "dc-ckpt", "run": cmd.argv[cmd.argv.index("--run") + 1],
+            "compile_to_first_step_s": wall / 2, "replan_step_s": wall / 4,
+            "wall_to_last_step_s": wall, "setup": {"device": "NVIDIA H200", "model": {}}}))
+        return 0
+
+    monkeypatch.setattr(cs, "run_command", fake_run)
+    results, work = tmp_path / "results", tmp_path / "work"
+    results.mkdir()
+
+    def invoke(kind: str, label: str = "one") -> Dict[str, Any]:
+        ctx = BenchContext(output_dir=results, variants=[kind], layers=[16], work_root=work,
+                           run_id=label)
+        result = cs._execute(ctx)
+        result.update(bench="compile_scaling", mode="full")
+        (results / "compile_scaling.json").write_text(json.dumps(result))
+        return result
+
+    invoke("ours-cold")
+    invoke("ours-warm")
+    result = invoke("deepspeed-cold")
+    assert ran == ["ours-cold-16l", "ours-warm-16l", "deepspeed-cold-16l"]
+    assert sorted(result["runs"]) == ["deepspeed-cold-16l", "ours-cold-16l", "ours-warm-16l"]
+    assert result["summary"]["cold_vs_deepspeed"] == pytest.approx(0.75)
+    assert result["summary"]["warm_vs_deepspeed"] == pytest.approx(0.5)
+    assert "replaced" not in result or result["replaced"] == []
+    # Running one again replaces it (the old one goes to the history); under another label it is
+    # not compared with the others.
+    result = invoke("deepspeed-cold", label="two")
+    assert [r["key"] for r in result["replaced"]] == ["deepspeed-cold-16l"]
+    assert result["summary"]["cold_vs_deepspeed"] is None
+    # A warm run without its cold run's cache in the work dir does not run.
+    ran.clear()
+    ctx = BenchContext(output_dir=tmp_path / "elsewhere", variants=["ours-warm"], layers=[8],
+                       work_root=tmp_path / "empty", run_id="three")
+    alone = cs._execute(ctx)
+    assert ran == [] and alone["runs"]["ours-warm-8l"]["status"] == "not_available"
+    # Another setup in the existing file is refused, not mixed in.
+    data = json.loads((results / "compile_scaling.json").read_text())
+    data["setup"]["steps"] = 30
+    (results / "compile_scaling.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="30 steps"):
+        invoke("ours-cold")
+
+
+def test_cli_takes_compile_scaling_runs_and_a_run_label() -> None:
+    r = _plan("--variants", "ours-cold", "--layers", "16", "--run", "label-x", "--work-dir", "/tmp/w")
+    assert r.returncode == 0, r.stderr
+    (run,) = _plan_runs(r.stdout)
+    assert run["output"] == "ours-cold-16l.json" and run["env"]["TORCHINDUCTOR_CACHE_DIR"] == \
+        "/tmp/w/compile_scaling/inductor/ours-16l"
+    assert "--run label-x" in r.stdout
+    r = _plan("--variants", "dc-ckpt")
+    assert r.returncode == 2 and "ours-cold, ours-warm, deepspeed-cold" in r.stderr, r.stderr
+
+
 def test_run_command_echoes_the_process_output_as_it_comes(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from bench.core.runner import Command, run_command

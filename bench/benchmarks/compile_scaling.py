@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from bench.core.registry import BenchContext, Benchmark, register
@@ -42,7 +43,7 @@ from bench.core.schema import metric_value, read_json, run_ok, versions
 
 log = logging.getLogger("bench.benchmarks.compile_scaling")
 
-__all__ = ["BENCHMARK", "LAYERS", "SMOKE_LAYERS", "STEPS", "SMOKE_STEPS", "ScalingRun", "plan",
+__all__ = ["BENCHMARK", "KINDS", "LAYERS", "SMOKE_LAYERS", "STEPS", "SMOKE_STEPS", "ScalingRun", "plan",
            "commands", "summarize_scaling", "keep_history"]
 
 SCRIPT = "bench/lora_llama.py"
@@ -51,6 +52,8 @@ SMOKE_LAYERS = (2,)
 STEPS = 20
 SMOKE_STEPS = 7  # DeepCompile re-plans at its 6th step; one step after it is the least
 MIN_STEPS = 7
+# The runs of each depth, in order (a warm run re-uses the cold run's caches).
+KINDS = ("ours-cold", "ours-warm", "deepspeed-cold")
 # The LoRA runner's variant per implementation: the dc-ckpt setup with our op or DeepSpeed's.
 LORA_VARIANT = {"ours": "dc-ckpt", "deepspeed": "dc-ckpt-upstream"}
 # What each run measures, in the result's setup.
@@ -114,9 +117,14 @@ def _steps(ctx: BenchContext) -> int:
 
 def plan(ctx: BenchContext) -> List[ScalingRun]:
     """The runs, per depth shallowest first: ours cold, ours warm (after the cold run whose cache
-    it re-uses), DeepSpeed's op cold."""
-    return [ScalingRun(impl, cache, n) for n in _layers(ctx)
-            for impl, cache in (("ours", "cold"), ("ours", "warm"), ("deepspeed", "cold"))]
+    it re-uses), DeepSpeed's op cold; with ``--variants``, only those of them."""
+    kinds = [k for k in KINDS if not ctx.variants or k in ctx.variants]
+    return [ScalingRun(*kind.split("-"), n) for n in _layers(ctx) for kind in kinds]
+
+
+def _inductor_dir(ctx: BenchContext, implementation: str, layers: int) -> Path:
+    """The inductor cache of an implementation at a depth (a warm run shares its cold run's)."""
+    return ctx.work_dir / "compile_scaling" / "inductor" / f"{implementation}-{layers}l"
 
 
 def _command(run: ScalingRun, ctx: BenchContext, steps: int) -> Command:
@@ -128,7 +136,7 @@ def _command(run: ScalingRun, ctx: BenchContext, steps: int) -> Command:
             else ["--size", "1b"])
     extra = ["--build-op-first"] if run.implementation == "deepspeed" else []
     out = work / "runs" / f"{run.key}.json"
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor" / f"{run.implementation}-{run.layers}l")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(_inductor_dir(ctx, run.implementation, run.layers))}
     if run.implementation == "ours":
         env["DS_Z3NATIVE_PROFILE_STORE"] = str(work / "profiles" / f"{run.layers}l")
     else:  # DeepSpeed alone, whatever the shell's DS_Z3NATIVE says
@@ -182,10 +190,12 @@ def _execute(ctx: BenchContext) -> Dict[str, Any]:
             entry = _entry(run, {"status": "not_available", "reason": unavailable}, None, ctx)
             log.info("[%d/%d] %s: not run, not available: %s", i, len(runs), run.label,
                      unavailable)
-        elif run.cache == "warm" and (cold is None or not run_ok(cold)):
+        elif run.cache == "warm" and (not run_ok(cold) if cold is not None else
+                                      not _inductor_dir(ctx, run.implementation,
+                                                        run.layers).is_dir()):
             entry = _entry(run, {"status": "not_available", "reason": "not run: the cold run "
                                  "whose inductor cache and profile store it re-uses did not "
-                                 "finish"}, None, ctx)
+                                 "finish (or, run alone, left no cache in --work-dir)"}, None, ctx)
             log.info("[%d/%d] %s: not run (its cold run did not finish)", i, len(runs), run.label)
         else:
             log.info("[%d/%d] %s", i, len(runs), run.label)
@@ -196,9 +206,40 @@ def _execute(ctx: BenchContext) -> Dict[str, Any]:
                 unavailable = str(entry.get("reason"))
         out[run.key] = entry
         log.info("%s: %s", run.key, _brief(entry))
+    previous = None if ctx.smoke else read_json(ctx.output_dir / "compile_scaling.json")
+    if ctx.variants and previous and previous.get("mode") != "smoke":
+        return merge_runs(previous, out, ctx, steps)
     result = _result(out, ctx, steps)
-    if not ctx.smoke:
-        keep_history(result, read_json(ctx.output_dir / "compile_scaling.json"))
+    if previous:
+        keep_history(result, previous)
+    return result
+
+
+def merge_runs(previous: Mapping[str, Any], new: Dict[str, Dict[str, Any]], ctx: BenchContext,
+               steps: int) -> Dict[str, Any]:
+    """Some runs (``--variants``) merged into the existing result: its runs of other keys stay,
+    those re-run move to ``replaced``; the summary covers every depth the result then holds (its
+    ratios compare runs of one run label only). ValueError when the existing result was measured
+    with another size or number of steps."""
+    old_setup = previous.get("setup") or {}
+    size = "toy" if ctx.smoke else "1b"
+    if old_setup.get("size") not in (None, size) or old_setup.get("steps") not in (None, steps):
+        raise ValueError(f"compile_scaling: the existing result ran size {old_setup.get('size')} "
+                         f"for {old_setup.get('steps')} steps, this run size {size} for {steps}; "
+                         "run every depth again without --variants (it keeps the old runs in "
+                         "its history)")
+    runs = {k: dict(r) for k, r in (previous.get("runs") or {}).items() if k not in new}
+    runs.update(new)
+    depths = sorted({int(r["layers"]) for r in runs.values() if r.get("layers") is not None})
+    merged_ctx = dataclasses.replace(ctx, layers=depths or list(_layers(ctx)))
+    result = _result(runs, merged_ctx, steps)
+    result["replaced"] = [*previous.get("replaced", []),
+                          *[{**r, "key": k} for k, r in (previous.get("runs") or {}).items()
+                            if k in new]]
+    if previous.get("replaced_notes"):
+        result["replaced_notes"] = list(previous["replaced_notes"])
+    if previous.get("note"):
+        result["note"] = previous["note"]
     return result
 
 
@@ -226,8 +267,9 @@ def _brief(entry: Mapping[str, Any]) -> str:
 
 def _ratio(a: Optional[Mapping[str, Any]], b: Optional[Mapping[str, Any]],
            metric: str) -> Optional[float]:
-    """``a``'s ``metric`` over ``b``'s; None unless both runs are ok and have it."""
-    if a is None or b is None or not run_ok(a) or not run_ok(b):
+    """``a``'s ``metric`` over ``b``'s; None unless both runs are ok, have it and belong to one
+    run label (runs of separate invocations are not compared)."""
+    if a is None or b is None or not run_ok(a) or not run_ok(b) or a.get("run") != b.get("run"):
         return None
     x, y = metric_value(a, metric), metric_value(b, metric)
     return x / y if x is not None and y else None

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from bench.benchmarks import registry
+from bench.benchmarks.compile_scaling import KINDS as SCALING_KINDS
 from bench.benchmarks.lora_llama import check_lora_variants
 from bench.core.registry import BenchContext, Benchmark, contexts_for, finish_result
 from bench.core.schema import RESULTS_DIR, SMOKE_DIR, metric_value, run_ok, write_result
@@ -97,8 +98,9 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                         "0.19.2=/tmp/ds192); repeatable")
     p.add_argument("--timeout", type=float, default=3600.0, help="per process, seconds")
     p.add_argument("--variants", default=None, metavar="A,B",
-                   help="lora_llama: run only these variants and merge them into the existing "
-                        "result file (its other runs stay)")
+                   help="lora_llama: run only these variants; compile_scaling: only these "
+                        "runs of each depth (ours-cold, ours-warm, deepspeed-cold); merged into "
+                        "the existing result file (its other runs stay)")
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="lora_llama: profile two more steps of each variant after its timed ones "
                         "(torch.profiler; DIR/<deepspeed>/<variant>-rank<r>.json and -top.txt)")
@@ -108,6 +110,14 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--no-report", action="store_true",
                    help="do not regenerate the benchmark tables and plot afterwards (a full run "
                         "into bench/results does by default)")
+    p.add_argument("--run", default=None, metavar="LABEL",
+                   help="the run label of this invocation's runs (default: its start time); "
+                        "give invocations the same label to have their runs compared, e.g. "
+                        "compile_scaling's runs spread over several commands")
+    p.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
+                   help="logs and per-process files (inductor caches, profile stores) here "
+                        "instead of a new temporary folder: a later invocation finds them (a "
+                        "compile_scaling warm run after its cold run's invocation)")
     p.add_argument("-v", "--verbose", action="store_true", help="DEBUG logging")
     return p
 
@@ -131,16 +141,21 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
     variants = None
     if args.variants is not None:
         variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-        unknown_variants = [v for v in variants if v not in LORA_VARIANTS]
-        if names != ["lora_llama"] or not variants or unknown_variants or args.smoke:
-            print(f"--variants applies to a full lora_llama run and takes names from "
-                  f"{', '.join(LORA_VARIANTS)}; got {args.variants!r} for {args.name!r}", file=sys.stderr)
+        known = SCALING_KINDS if names == ["compile_scaling"] else LORA_VARIANTS
+        unknown_variants = [v for v in variants if v not in known]
+        if names not in (["lora_llama"], ["compile_scaling"]) or not variants \
+                or unknown_variants or args.smoke:
+            print(f"--variants applies to a full lora_llama run (names from "
+                  f"{', '.join(LORA_VARIANTS)}) or compile_scaling run (names from "
+                  f"{', '.join(SCALING_KINDS)}); got {args.variants!r} for {args.name!r}",
+                  file=sys.stderr)
             return 2
-        try:
-            check_lora_variants(variants)
-        except ValueError as e:
-            print(f"--variants: {e}", file=sys.stderr)
-            return 2
+        if names == ["lora_llama"]:
+            try:
+                check_lora_variants(variants)
+            except ValueError as e:
+                print(f"--variants: {e}", file=sys.stderr)
+                return 2
     layers = None
     if args.layers is not None:
         try:
@@ -154,7 +169,13 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
     ctx = BenchContext(output_dir=args.output_dir or (SMOKE_DIR if args.smoke else RESULTS_DIR),
                        smoke=args.smoke, steps=args.steps, repeats=args.repeats, ranks=args.ranks,
                        extra_deepspeed=_parse_extra(args.deepspeed_path), timeout=args.timeout,
-                       variants=variants, trace=args.trace, layers=layers)
+                       variants=variants, trace=args.trace, layers=layers,
+                       work_root=args.work_dir)
+    if args.run is not None:
+        if not args.run.strip():
+            print("--run wants a non-empty label", file=sys.stderr)
+            return 2
+        ctx.run_id = args.run.strip()
     if args.dry_run:
         for name in names:
             for run_ctx in contexts_for(benches[name], ctx):

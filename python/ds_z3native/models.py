@@ -47,7 +47,7 @@ MODEL_SIZES: Dict[str, ModelSize] = {s.name: s for s in (
               vocab=8192, seq_len=256, batch=4, lora_rank=16,
               note="~65 M params; a GPU or patience"),
     ModelSize("1b", hidden=2048, intermediate=5632, layers=16, heads=32, kv_heads=8, vocab=32000,
-              seq_len=1024, batch=4, lora_rank=16, note="~1.1 B params, TinyLlama's shape; GPU"),
+              seq_len=1024, batch=4, lora_rank=16, note="~0.85 B params, 16 layers x 2048; GPU"),
 )}
 DEFAULT_SIZE = "small"
 

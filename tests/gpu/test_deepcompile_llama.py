@@ -1,5 +1,5 @@
 """DeepCompile ZeRO-3 trains an HF Llama + PEFT LoRA, with non-reentrant gradient checkpointing
-and without, matching eager ZeRO-3 (issue 5, items 1, 2 and 4).
+and without, matching eager ZeRO-3.
 
 Where the unpatched run fails (torch 2.11, transformers 5.17, DeepSpeed 0.19.2 and 0.19.8): the
 input embedding runs outside the compiled graphs on its partitioned weight and raises
@@ -8,8 +8,9 @@ out), the eager-fallback gather alone (graph breaks kept: the embedding is gathe
 the full fix (graph breaks removed), each against eager ZeRO-3 with the same checkpointing.
 Every run is its own process (tests/helpers/dc_runner.py); they start together.
 
-    bash .gpu/run.sh 0.19.8 'python3 -m pytest -m gpu tests/gpu/test_deepcompile_llama.py -q -s'
-    bash .gpu/run.sh 0.19.2 '...same...'   (0.19.2: install() also fixes the eager reference)
+    python -m pytest -m gpu tests/gpu/test_deepcompile_llama.py -q -s
+    PYTHONPATH=.cache/ds-0.19.2 python -m pytest -m gpu tests/gpu/test_deepcompile_llama.py -q -s
+    (on 0.19.2, install() also fixes the eager reference)
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ DeepSpeed alone fails before 0.19.3 (CheckpointError: a frozen [1024] norm weigh
 [0]); with ``ds_z3native.install()`` every version trains like plain PyTorch, and no
 non-persistent param stays gathered after a backward.
 
-Run on the GPU host, for each DeepSpeed version:
-    bash .gpu/run.sh 0.19.8 'python3 -m pytest -m gpu tests/gpu/test_eager_recompute_gpu.py -q'
-    bash .gpu/run.sh 0.19.2 'python3 -m pytest -m gpu tests/gpu/test_eager_recompute_gpu.py -q'
+On a CUDA machine, for each DeepSpeed version:
+    python -m pytest -m gpu tests/gpu/test_eager_recompute_gpu.py -q
+    PYTHONPATH=.cache/ds-0.19.2 python -m pytest -m gpu tests/gpu/test_eager_recompute_gpu.py -q
 """
 
 from __future__ import annotations

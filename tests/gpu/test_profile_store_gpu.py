@@ -1,5 +1,5 @@
 """A second DeepCompile run of the same job, with ds_z3native's profile store, is compiled from
-inductor's cache (issue 5, item 3).
+inductor's cache.
 
 Without the store a second run on the GPU missed inductor's FX-graph cache on every graph:
 DeepSpeed orders each graph's all-gathers by the device times it profiles and fuses prefetches
@@ -7,7 +7,7 @@ by a timed all-gather benchmark, noisy from run to run, so the graphs inductor r
 another order each run. With the store the second run replays the first run's profiles and
 timings, schedules the same graphs and finds them all in the cache; it trains the same.
 
-    bash .gpu/run.sh 0.19.8 'python3 -m pytest -m gpu tests/gpu/test_profile_store_gpu.py -q -s'
+    python -m pytest -m gpu tests/gpu/test_profile_store_gpu.py -q -s
 """
 
 from __future__ import annotations

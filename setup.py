@@ -113,7 +113,7 @@ PLAN = build_plan()
 def shared_libstdcxx_args():
     """Link the libstdc++ the interpreter (and torch) already loaded, as a shared library.
 
-    Some toolchains (a `g++` wrapper with its own -B search path, seen on the GPU host) resolve
+    Some toolchains (a `g++` wrapper with its own -B search path, seen on a CUDA machine) resolve
     -lstdc++ to a static archive. A static copy inside _C then formats numbers with its own
     locale facets on streams built by the shared copy, and crashes (seen: every error message
     with a number segfaulted). Naming the shared object first leaves nothing for the archive.

@@ -1,6 +1,6 @@
 """What the GPU and the host were doing while a benchmark's timed steps ran.
 
-On the GPU host, steady DeepCompile step times of the 1 B LoRA setup moved between processes
+On one H200, steady DeepCompile step times of the 1 B LoRA setup moved between processes
 (dc 156.3 ms on 2026-11-30, 98.0 ms on 2026-12-01, the same code compiled anew; dc and dc-warm
 of 2026-12-01, identical compiled graphs, 98.0 vs 129.0 ms) and within one run (dc-warm of
 2026-12-01: 97.0 to 161.3 ms). :class:`GpuConditions` records what could explain such a move
@@ -9,7 +9,7 @@ clock-event (throttle) reasons, sampled by ``nvidia-smi`` in its own process (ev
 default, so the training process does no extra work), the processes using the GPU when sampling
 starts and when it stops, and the host's 1-minute load average then. Without a GPU or without
 ``nvidia-smi`` the summary says why, with the load average only. Sampling never fails a
-benchmark: an error is reported in the summary. On the GPU host (driver 580, one H200) a bf16
+benchmark: an error is reported in the summary. On one H200 (driver 580) a bf16
 matmul loop drew 614 W and ran at 1725-1740 MHz instead of 1980 with reason 0x4 (software
 power cap) in 15 of 17 samples: the kind of move these figures make visible.
 """

@@ -392,7 +392,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
 
 def _disable_deepspeed_eager_fallback() -> None:
     """Turn DeepSpeed's own eager fallback (0.19.8's parameter getter) off, as it behaves with
-    torch 2.11 on the GPU host, so that ds_z3native's eager gather is what is tested."""
+    torch 2.11 on an H200, so that ds_z3native's eager gather is what is tested."""
     try:
         from deepspeed.compile import z3_eager_fallback
     except ImportError:  # DeepSpeed < 0.19.8 has none

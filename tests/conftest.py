@@ -20,7 +20,7 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs CUDA (runs on the GPU host)")
+    skip = pytest.mark.skip(reason="needs CUDA (run on a CUDA machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -97,7 +97,7 @@ def test_the_counted_first_step_is_never_timed() -> None:
 def test_the_nccl_log_count_runs_on_a_valid_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU run counts DeepSpeed's collectives in a separate untimed run (NCCL's COLL log):
     that run must start from the benchmark's own config. On gloo NCCL logs nothing, so the
-    count reports zero steps found, not a failed run (on the GPU host a ValueError from a
+    count reports zero steps found, not a failed run (on a CUDA machine a ValueError from a
     config without warm-up stopped the whole benchmark after both timed runs)."""
     from bench.native_micro import _count_with_nccl_log
 
@@ -981,7 +981,7 @@ def test_compile_scaling_keeps_the_runs_it_replaces() -> None:
 
 def test_compile_scaling_runs_spread_over_invocations_merge_into_one_result(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # On a GPU host whose commands are limited in time, each run of a depth is its own
+    # Where each command may run only a few minutes, each run of a depth is its own
     # invocation (--variants, one --run label, one --work-dir): the runs merge into one result
     # whose summary compares them; a warm run finds its cold run's cache in the work dir.
     import bench.benchmarks.compile_scaling as cs

@@ -157,7 +157,7 @@ def test_eager_read_under_dynamos_frame_hook_is_never_compiled(zero3_gather: dic
     assert r["status_before"] == r["not_available"]
     # Without _never_compiled: Dynamo compiles the gather's frames (torch 2.13: DeepSpeed's
     # getter returning the gathered param, a graph whose input is the param; torch 2.11 on the
-    # GPU host: EagerFallbackGather.gather around all_gather, the param partitioned by
+    # On an H200: EagerFallbackGather.gather around all_gather, the param partitioned by
     # DeepCompile's profiler before the embedding read it).
     assert r["compiled_frames"] == []
     assert r["eager_result_error"] == 0.0

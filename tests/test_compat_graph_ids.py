@@ -259,7 +259,7 @@ def test_the_wrapped_compiler_gives_inductor_canonical_ids() -> None:
 
 def test_inductor_cache_bypasses_are_kept_with_inductors_reason(tmp_path, monkeypatch) -> None:
     # A real inductor compile on the CPU: a post-grad pass inductor cannot hash makes it bypass
-    # its FX-graph cache (the GPU host's DeepCompile graphs were bypassed, counted but with no
+    # its FX-graph cache (DeepCompile's graphs on an H200 were bypassed, counted but with no
     # reason on record); a plain compile is cacheable and adds nothing.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     bypasses = gid.CacheBypassLog()

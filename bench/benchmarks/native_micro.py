@@ -14,7 +14,7 @@ __all__ = ["BENCHMARK"]
 
 
 def run(ctx: BenchContext) -> Dict[str, Any]:
-    """The full benchmark (GPU host: NCCL; CPU: gloo at full size)."""
+    """The full benchmark (CUDA: NCCL; CPU: gloo at full size)."""
     return measure(MicroConfig.for_mode(False, ctx.ranks, ctx.steps), ctx.timeout)
 
 

@@ -1,8 +1,8 @@
 """The CLI behind ``python -m bench <name|all|list> [--smoke] [--output-dir DIR] [--dry-run]``
 (and ``ds-z3native bench``). Every benchmark has
 
-* a GPU command builder (``Benchmark.commands``): the processes that produce its numbers on the
-  GPU host (``--dry-run`` prints them); ``Benchmark.run`` runs them and collects one result;
+* a GPU command builder (``Benchmark.commands``): the processes that produce its numbers on a
+  CUDA machine (``--dry-run`` prints them); ``Benchmark.run`` runs them and collects one result;
 * a ``--smoke`` mode (``Benchmark.smoke``): the same code at toy size on CPU (gloo), which CI runs
   to show that it runs (its timings mean nothing).
 

@@ -56,7 +56,7 @@ def seed_on_device(rank: int, world_size: int, device_type: str, backend: str) -
 
     if device_type == "cuda":
         torch.cuda.set_device(rank)
-    else:  # the same code path on CPU (a check of this test off the GPU host)
+    else:  # the same code path on CPU (a check of this test without a GPU)
         from test_eager_recompute import _no_shm_comm
 
         _no_shm_comm()

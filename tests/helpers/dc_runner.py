@@ -118,7 +118,7 @@ def needs_cpu_deepcompile(test: Any) -> Any:
     0.19.3 its profiler needs CUDA; 0.19.3's own eager-fallback getter gathers a frozen param
     between Dynamo building a guard and checking it ("Guard failed on the same frame it was
     created ... rank mismatch"; 0.19.4 changed the getter). Those releases' DeepCompile runs are
-    covered on the GPU host (tests/gpu)."""
+    covered on a CUDA machine (tests/gpu)."""
     import pytest
     from packaging.version import Version
 

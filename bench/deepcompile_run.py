@@ -87,13 +87,13 @@ def _watchdog(seconds: float, out: Any) -> None:
 
 
 def _launcher_env() -> None:
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                       ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
-        from ds_z3native._net import free_port
+    # One process without a launcher: rank 0 of 1; what a launcher set stays.
+    from ds_z3native._net import free_port
+    from ds_z3native.launch import rank_env
 
-        os.environ["MASTER_PORT"] = str(free_port())
+    port = os.environ.get("MASTER_PORT") or str(free_port())
+    for key, value in rank_env(0, 1, int(port)).items():
+        os.environ.setdefault(key, value)
 
 
 def build_model(kind: str) -> Any:

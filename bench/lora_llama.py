@@ -264,9 +264,9 @@ def _launcher_env() -> None:
     if "RANK" in os.environ:
         return
     from ds_z3native._net import free_port
+    from ds_z3native.launch import rank_env
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(rank_env(0, 1, free_port()))
 
 
 def _versions() -> Dict[str, Any]:

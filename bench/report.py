@@ -323,9 +323,8 @@ def _lora_breakdown(runs: Mapping[str, Mapping[str, Any]]) -> List[str]:
         if not run_ok(runs[key]) or not split:
             continue
         launches = split.get("launches") or {}
-        kinds = ", ".join(f"{k} {launches[k]:.0f}" for k in ("nccl", "triton", "gemm",
-                                                               "attention", "memcpy", "other")
-                          if launches.get(k))
+        # The kinds the run recorded (bench/trace_breakdown.py's), those it launched at all.
+        kinds = ", ".join(f"{k} {n:.0f}" for k, n in launches.items() if k != "total" and n)
         host = split.get("host_ms") or {}
         share = split.get("device_busy_share")
         rows.append([run_variant(key, runs[key]), str(run_deepspeed(key, runs[key]) or "-"),

@@ -312,22 +312,31 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
                                   "ms/step (min–max)", "speedup", "tokens/s", "peak GiB",
                                   "TFLOP/s", "share of bf16 peak",
                                   "compile to end of step 1 / re-plan step / to last step"], rows)
-    return lines + _lora_breakdown(runs)
+    return lines + _lora_breakdown(runs, result.get("replaced") or [])
 
 
-def _lora_breakdown(runs: Mapping[str, Mapping[str, Any]]) -> List[str]:
-    """Where a step goes, for the runs profiled with ``--trace`` (bench.trace_breakdown)."""
+def _lora_breakdown(runs: Mapping[str, Mapping[str, Any]],
+                    others: Sequence[Mapping[str, Any]] = ()) -> List[str]:
+    """Where a step goes, for the runs profiled with ``--trace`` (bench.trace_breakdown): the
+    table's runs first, then profiled runs the file keeps beside them (``replaced``: a profiled
+    run of another invocation need not be the one the step-time table shows), each named by its
+    run label."""
+    traced = [(runs[key], run_variant(key, runs[key]), run_deepspeed(key, runs[key]))
+              for key in _lora_keys(runs)]
+    traced += [(r, str(r.get("variant") or "?"), (r.get("versions") or {}).get("deepspeed"))
+               for r in others]
     rows = []
-    for key in _lora_keys(runs):
-        split = (runs[key].get("trace") or {}).get("breakdown")
-        if not run_ok(runs[key]) or not split:
+    for record, variant, deepspeed in traced:
+        split = (record.get("trace") or {}).get("breakdown")
+        if not run_ok(record) or not split:
             continue
         launches = split.get("launches") or {}
         # The kinds the run recorded (bench/trace_breakdown.py's), those it launched at all.
         kinds = ", ".join(f"{k} {n:.0f}" for k, n in launches.items() if k != "total" and n)
         host = split.get("host_ms") or {}
         share = split.get("device_busy_share")
-        rows.append([run_variant(key, runs[key]), str(run_deepspeed(key, runs[key]) or "-"),
+        rows.append([variant, str(deepspeed or "-"), str(record.get("run") or "-"),
+                     _num((record.get("step_ms") or {}).get("median"), "{:.1f}"),
                      _num(split.get("wall_ms"), "{:.1f}"),
                      _num(split.get("device_busy_ms"), "{:.1f}"),
                      _num(None if share is None else 100 * share, "{:.0f}", "%"),
@@ -337,11 +346,12 @@ def _lora_breakdown(runs: Mapping[str, Mapping[str, Any]]) -> List[str]:
     if not rows:
         return []
     return ["", "**Where a step goes** (`--trace`: two more steps under torch.profiler after the "
-            "timed ones; per step, profiler overhead included; host times are the CPU's time "
-            "inside the dc ops and inside inductor's compiled graphs other than dc ops):", ""] + \
-        _table(["variant", "DeepSpeed", "ms/step profiled", "device busy ms", "device busy",
-                "launches (by kind)", "host ms in dc ops", "host ms in graph wrapper",
-                "dc op calls"], rows)
+            "timed ones; per step, profiler overhead included, next to the run's median step "
+            "without the profiler; host times are the CPU's time inside the dc ops and inside "
+            "inductor's compiled graphs other than dc ops):", ""] + \
+        _table(["variant", "DeepSpeed", "run", "ms/step", "ms/step profiled", "device busy ms",
+                "device busy", "launches (by kind)", "host ms in dc ops",
+                "host ms in graph wrapper", "dc op calls"], rows)
 
 
 def _generic(result: Mapping[str, Any]) -> List[str]:

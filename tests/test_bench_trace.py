@@ -119,4 +119,27 @@ def test_report_shows_where_a_profiled_step_goes() -> None:
     rows = [ln for ln in lines[at:] if ln.startswith("| dc-ckpt")]
     assert len(rows) == 1 and not any(ln.startswith("| upstream") for ln in lines[at:])
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
-    assert cells == ["dc-ckpt", "0.19.8", "10.0", "5.0", "50%", "1 (nccl 1)", "2.0", "0.0", "1"]
+    assert cells == ["dc-ckpt", "0.19.8", "-", "9.0", "10.0", "5.0", "50%", "1 (nccl 1)", "2.0",
+                     "0.0", "1"]
+
+
+def test_report_shows_profiled_runs_kept_beside_the_table() -> None:
+    """A profiled run the file keeps in ``replaced`` (the step-time table shows another run of
+    its variant) still gets its breakdown row, named by its run label; unprofiled ones do not."""
+    from bench import report
+
+    split = breakdown({"traceEvents": [_x("dc::release_param", "cpu_op", 0, 1000.0)]},
+                      steps=1, step_ms=[4.0])
+    setup = {"size": "1b", "world_size": 1, "checkpointing": "none", "deepcompile": True}
+    shown = {"variant": "dc", "versions": {"deepspeed": "0.19.8"}, "setup": setup, "run": "a",
+             "step_ms": {"median": 5.0, "min": 5.0, "max": 5.0}, "peak_gib": 4.0}
+    profiled = {**shown, "run": "b", "step_ms": {"median": 3.5, "min": 3.0, "max": 4.0},
+                "trace": {"steps": 1, "breakdown": split}}
+    lines = report._lora({"bench": "lora_llama", "baseline": "upstream",
+                          "runs": {"dc@0.19.8": shown},
+                          "replaced": [profiled, {**shown, "run": "c"}]})
+    at = lines.index(next(ln for ln in lines if ln.startswith("**Where a step goes**")))
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[at:]
+            if ln.startswith("| dc")]
+    assert [r[:5] for r in rows] == [["dc", "0.19.8", "b", "3.5", "4.0"]]
+    assert rows[0][8] == "1.0"  # host ms in dc ops

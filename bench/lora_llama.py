@@ -845,6 +845,15 @@ def _measured(record: Mapping[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in record.items() if k not in ("vs", "ratio", "status")}
 
 
+def _machines(record: Mapping[str, Any], ref: Mapping[str, Any]) -> Optional[int]:
+    """How many GPUs two runs' timed steps ran on, from the devices their gpu_conditions name
+    (None where either run recorded none: a CPU run, or a record from before they were kept)."""
+    def device(r: Mapping[str, Any]) -> Optional[str]:
+        return (r.get("gpu_conditions") or {}).get("device") or None
+    a, b = device(record), device(ref)
+    return None if a is None or b is None else len({a, b})
+
+
 def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     """Combines per-variant records into ``{"bench": "lora_llama", "runs": {"<variant>@<deepspeed>":
     ...}}`` (``lora_llama_ws<N>`` for runs on N GPUs; existing runs in ``output`` are kept unless
@@ -856,7 +865,8 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     the baseline's step time and run label. A Trainer-driven run (``trainer-dc-ckpt``) also gets
     ``vs["own_loop"]``: its step time over that of our loop's run of the same variant
     (``dc-ckpt``), DeepSpeed version and invocation (``step_ratio``; 1.0: the trainer costs
-    nothing).
+    nothing). Each ratio also names ``devices``: on how many GPUs the two runs' timed steps
+    ran (2: one invocation's processes landed on two machines; None: not recorded).
 
     Ratios compare runs of one invocation only (the same ``run`` label; records without one
     count as one run). A run whose baseline a later invocation replaced keeps the ratios it got
@@ -893,7 +903,8 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
                     "speedup": ref["step_ms"]["median"] / record["step_ms"]["median"],
                     "peak_ratio": (record["peak_gib"] / ref["peak_gib"]
                                    if ref.get("peak_gib") else None),
-                    "baseline_ms": ref["step_ms"]["median"], "run": run}
+                    "baseline_ms": ref["step_ms"]["median"], "run": run,
+                    "devices": _machines(record, ref)}
                 continue
             kept = earlier.get(key, {}).get(base)
             if kept and run is not None and kept.get("run") == run:
@@ -905,7 +916,8 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
         if ref is not None and ref.get("run") == record.get("run"):
             record.setdefault("vs", {})["own_loop"] = {
                 "variant": own, "step_ratio": record["step_ms"]["median"] / ref["step_ms"]["median"],
-                "baseline_ms": ref["step_ms"]["median"], "run": record.get("run")}
+                "baseline_ms": ref["step_ms"]["median"], "run": record.get("run"),
+                "devices": _machines(record, ref)}
         elif kept and record.get("run") is not None and kept.get("run") == record.get("run"):
             record.setdefault("vs", {})["own_loop"] = kept  # against its own run's loop
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -239,14 +239,21 @@ def _lora_speedup(r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -
         parts.append(f"{ref['speedup']:.2f}x vs `{base}`"
                      + (f" of its run ({ms:.1f} ms)" if not _own_row(base, r, runs)
                         and isinstance(ms, (int, float)) else "")
-                     + (f", peak {peak:.2f}x" if isinstance(peak, (int, float)) else ""))
+                     + (f", peak {peak:.2f}x" if isinstance(peak, (int, float)) else "")
+                     + _other_gpu(ref))
     own = vs.get("own_loop") or {}
     if isinstance(own.get("step_ratio"), (int, float)):
         ms = own.get("baseline_ms")
         parts.append(f"step time {own['step_ratio']:.3f}x `{own['variant']}`'s"
                      + (f" of its run ({ms:.1f} ms)" if not _own_row(own["variant"], r, runs)
-                        and isinstance(ms, (int, float)) else ""))
+                        and isinstance(ms, (int, float)) else "")
+                     + _other_gpu(own))
     return "; ".join(parts) or None
+
+
+def _other_gpu(ratio: Mapping[str, Any]) -> str:
+    """A note for a ratio between runs whose timed steps ran on two GPUs (``devices``: 2)."""
+    return " (measured on another GPU)" if ratio.get("devices") == 2 else ""
 
 
 def _own_row(variant: str, r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> bool:

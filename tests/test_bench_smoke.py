@@ -420,7 +420,7 @@ def test_trainer_run_is_measured_against_our_loop_of_the_same_run(tmp_path: Path
     merged = merge([record("dc-ckpt", 140.0, "b"), record("trainer-dc-ckpt", 154.0, "b")], out)
     own = merged["runs"]["trainer-dc-ckpt@0.19.8"]["vs"]["own_loop"]
     assert own == {"variant": "dc-ckpt", "step_ratio": pytest.approx(1.1), "baseline_ms": 140.0,
-                   "run": "b"}
+                   "run": "b", "devices": None}
     # Another invocation's dc-ckpt replaces the row: the trainer keeps the ratio of its own run,
     # and the table names that run's step time.
     merged = merge([record("upstream", 900.0, "a"), record("dc-ckpt", 100.0, "a")], out)
@@ -435,6 +435,33 @@ def test_trainer_run_is_measured_against_our_loop_of_the_same_run(tmp_path: Path
     with pytest.raises(ValueError, match="pick dc-ckpt as well"):
         check_lora_variants(["trainer-dc-ckpt"])
     check_lora_variants(["trainer-dc-ckpt", "dc-ckpt"])
+
+
+def test_a_ratio_between_runs_on_two_gpus_says_so(tmp_path: Path) -> None:
+    """One invocation's processes can land on two machines (or two GPUs of one): the merge
+    counts the GPUs the two runs' timed steps ran on, and the table says when they differ."""
+    from bench import report
+    from bench.lora_llama import merge
+
+    def record(variant: str, median: float, gpu: str) -> Path:
+        path = tmp_path / f"{variant}.json"
+        path.write_text(json.dumps({
+            "variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 5.0, "run": "r",
+            "step_ms": {"median": median, "min": median, "max": median},
+            "gpu_conditions": {"available": True, "device": gpu},
+            "setup": {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4,
+                      "device": "NVIDIA H200", "checkpointing": "non-reentrant"}}))
+        return path
+
+    out = tmp_path / "lora_llama.json"
+    merged = merge([record("upstream", 900.0, "GPU-a"), record("dc-ckpt", 100.0, "GPU-a"),
+                    record("trainer-dc-ckpt", 110.0, "GPU-b")], out)
+    runs = merged["runs"]
+    assert runs["dc-ckpt@0.19.8"]["vs"]["upstream"]["devices"] == 1
+    assert runs["trainer-dc-ckpt@0.19.8"]["vs"]["own_loop"]["devices"] == 2
+    rows = {ln.split("|")[1].strip(): ln for ln in report._lora(merged) if ln.startswith("| ")}
+    assert "measured on another GPU" in rows["trainer-dc-ckpt"]
+    assert "another GPU" not in rows["dc-ckpt"]
 
 
 def test_two_gpu_lora_runs_get_their_own_result_and_table(tmp_path: Path) -> None:
@@ -545,7 +572,8 @@ def test_some_lora_variants_rerun_into_the_existing_result(tmp_path: Path) -> No
     assert runs["dc-ckpt@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(1000.0 / 150.0)
     assert runs["dc-ckpt@0.19.8"]["ratio"]["step_ms"] == pytest.approx(0.15)
     assert runs["dc@0.19.8"]["vs"]["upstream"] == pytest.approx(
-        {"speedup": 4.0, "peak_ratio": 1.0, "baseline_ms": 1200.0, "run": "day-one"})
+        {"speedup": 4.0, "peak_ratio": 1.0, "baseline_ms": 1200.0, "run": "day-one",
+         "devices": None})
     assert runs["dc@0.19.8"]["ratio"] is None  # not against another run's baseline
     assert result["note"].startswith("Measured on day one. Re-run ") and result["note"].endswith(
         "upstream, dc-ckpt.")

@@ -64,6 +64,18 @@ A failed run still writes its file, with ``error``.
 
 On a CPU: ``DS_ACCELERATOR=cpu python bench/lora_llama.py --size toy --variant ours``.
 
+Two variants measured side by side: ``--take-turns DIR:N`` on each of N processes started
+together (one GPU each run, world size 1) lets them compile at the same time, waits until all N
+reach their first timed step, then runs one process's timed steps (and ``--trace`` steps) at a
+time, under an exclusive lock on ``DIR/turn.lock``; the others wait idle with their memory held.
+Each record's ``turns`` gives the waits and its timed window (epoch seconds), so two variants get
+one machine, one GPU and one time span without their timed steps overlapping:
+
+    python bench/lora_llama.py --variant trainer-dc-ckpt --take-turns /tmp/turns:2 --run pair \
+        --output trainer.json &
+    python bench/lora_llama.py --variant dc-ckpt --take-turns /tmp/turns:2 --run pair \
+        --output own.json; wait
+
 Where the time goes: ``--trace DIR`` runs two more steps after the timed ones under
 ``torch.profiler`` and writes, per rank, a Chrome trace (``DIR/<variant>-rank<r>.json``) and
 the ops ranked by self device time (self CPU time on a CPU), ``DIR/<variant>-rank<r>-top.txt``.
@@ -157,6 +169,9 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="the benchmark invocation this run belongs to (``python -m bench`` gives "
                         "one label to all its runs); a merged file's ratios compare runs with "
                         "the same label only")
+    p.add_argument("--take-turns", type=_turns_arg, default=None, metavar="DIR:N",
+                   help="one of N processes started together: compile alongside the others, "
+                        "then run the timed steps one process at a time (lock in DIR)")
     p.add_argument("--output", type=Path, required=True, help="JSON file to write")
     args = p.parse_args(argv)
     if args.trace is not None and args.variant in TRAINER:
@@ -164,6 +179,78 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     if args.layers is not None and args.layers < 1:
         p.error(f"--layers must be at least 1, got {args.layers}")
     return args
+
+
+def _turns_arg(text: str) -> "tuple[Path, int]":
+    folder, sep, count = text.rpartition(":")
+    if not sep or not folder or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"expected DIR:N with N >= 1, got {text!r}")
+    return Path(folder), int(count)
+
+
+def _alive(pid: str) -> bool:
+    """Whether process ``pid`` runs (a ready mark left by a process that ended does not count)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Turns:
+    """Timed steps one process at a time among ``count`` processes sharing ``folder``
+    (``--take-turns``): :meth:`take` marks this process ready, waits until ``count`` are, then
+    holds an exclusive ``flock`` on ``folder/turn.lock`` until :meth:`give_back` (or exit: the OS
+    drops the lock of a process that dies). A process that never gets ready makes the others
+    fail after ``timeout`` seconds, naming how many were ready. Ready marks count only while
+    their process runs, so a folder an earlier pair used can be used again."""
+
+    def __init__(self, folder: Path, count: int, timeout: float = 3600.0) -> None:
+        self.folder, self.count, self.timeout = folder, count, timeout
+        self._lock: Optional[Any] = None
+        self.record: Dict[str, Any] = {"dir": str(folder), "processes": count}
+
+    def take(self) -> None:
+        import fcntl
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"ready-{os.getpid()}").touch()
+        start = time.perf_counter()
+        last_log = start
+        while True:
+            ready = sum(1 for f in self.folder.glob("ready-*") if _alive(f.name[6:]))
+            if ready >= self.count:
+                break
+            now = time.perf_counter()
+            if now - start > self.timeout:
+                raise RuntimeError(f"--take-turns {self.folder}:{self.count}: only {ready} of "
+                                   f"{self.count} processes reached their timed steps within "
+                                   f"{self.timeout:.0f} s")
+            if now - last_log >= 30.0:
+                log.info("waiting for the other processes of %s: %d of %d ready", self.folder,
+                         ready, self.count)
+                last_log = now
+            time.sleep(0.2)
+        self.record["ready_wait_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self._lock = open(self.folder / "turn.lock", "a")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        self.record["turn_wait_s"] = time.perf_counter() - start
+        self.record["window"] = [time.time(), None]
+        log.info("timed steps start (waited %.1f s for the others, %.1f s for the turn)",
+                 self.record["ready_wait_s"], self.record["turn_wait_s"])
+
+    def give_back(self) -> None:
+        if self._lock is None:
+            return
+        import fcntl
+
+        self.record["window"][1] = time.time()
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self._lock.close()
+        self._lock = None
 
 
 class NotAvailable(RuntimeError):
@@ -379,7 +466,8 @@ class _StepClock:
     for DeepCompile, torch's compile counters around the first step and the re-plan."""
 
     def __init__(self, variant: str, total: int, first_timed: int, deepcompile: bool,
-                 on_gpu: bool, conditions: GpuConditions) -> None:
+                 on_gpu: bool, conditions: GpuConditions, turns: Optional[Turns] = None) -> None:
+        self.turns = turns
         self.variant, self.total, self.first_timed = variant, total, first_timed
         self.deepcompile, self.on_gpu, self.conditions = deepcompile, on_gpu, conditions
         self.all_steps: List[float] = []
@@ -453,6 +541,12 @@ class _StepClock:
         self._timed = i >= self.first_timed
         if i != self.first_timed:
             return
+        if self.turns is not None:
+            if self.on_gpu:
+                import torch
+
+                torch.cuda.synchronize()  # nothing of this process runs in another's turn
+            self.turns.take()
         if self.on_gpu:
             import torch
 
@@ -702,7 +796,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     # GPU clocks, throttling and neighbours over the timed steps; its queries before the clock.
     conditions = GpuConditions(device.index if on_gpu else None)
     conditions.prepare()
-    clock = _StepClock(variant, total, first_timed, deepcompile, on_gpu, conditions)
+    turns = None
+    if args.take_turns is not None:
+        if world_size != 1:
+            raise SystemExit(f"--take-turns runs processes of world size 1 (each on its own); "
+                             f"this one has {world_size} ranks")
+        turns = Turns(*args.take_turns)
+    clock = _StepClock(variant, total, first_timed, deepcompile, on_gpu, conditions, turns)
     step: Optional[Callable[[], float]] = None  # one more step, for --trace and instrumenting
     try:
         if variant in TRAINER:
@@ -777,6 +877,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             record["losses_instrumented_step"] = step()
         finally:
             record["gathered_params"] = tracker.close()
+    if turns is not None:  # after the traced and instrumented steps: they use the GPU too
+        if on_gpu:
+            torch.cuda.synchronize()
+        turns.give_back()
+        record["turns"] = turns.record
     if engine is not None:
         engine.destroy()
     log.info("%s: median %.1f ms (min %.1f, max %.1f), %.0f tokens/s, %.1f TFLOP/s, peak %.2f GiB",

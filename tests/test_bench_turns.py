@@ -1,0 +1,105 @@
+"""``bench/lora_llama.py --take-turns DIR:N``: processes started together compile side by side,
+then run their timed steps one at a time, so two variants are compared on one machine, one GPU
+and one time span without their timed steps overlapping (here: two eager toy runs on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # bench/ is a folder of the checkout, not an installed package
+
+from bench.lora_llama import Turns, _parse  # noqa: E402
+
+
+def _env() -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "DS_Z3NATIVE"}
+    env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def test_two_runs_take_turns_for_their_timed_steps(tmp_path: Path) -> None:
+    turns = tmp_path / "turns"
+    procs = {}
+    for variant in ("none", "ours"):
+        procs[variant] = subprocess.Popen(
+            [sys.executable, "bench/lora_llama.py", "--variant", variant, "--size", "toy",
+             "--steps", "4", "--warmup", "1", "--seq", "32", "--micro-batch", "1",
+             "--no-track-gathered", "--take-turns", f"{turns}:2", "--run", "pair",
+             "--output", str(tmp_path / f"{variant}.json")],
+            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logs = {v: p.communicate(timeout=600)[0] for v, p in procs.items()}
+    for v, p in procs.items():
+        assert p.returncode == 0, logs[v][-3000:]
+    records = {v: json.loads((tmp_path / f"{v}.json").read_text()) for v in procs}
+    windows = sorted((r["turns"]["window"], v) for v, r in records.items())
+    (first, first_v), (second, second_v) = windows
+    assert all(w[0] < w[1] for w, _ in windows), windows
+    assert first[1] <= second[0], f"timed windows overlap: {windows}"
+    # The second waited for the first's turn (its lock), not merely for it to get ready.
+    assert records[second_v]["turns"]["turn_wait_s"] >= 0.5 * (first[1] - first[0])
+    for r in records.values():
+        assert r["turns"]["processes"] == 2 and r["step_ms"]["n"] == 4
+
+
+def test_a_missing_partner_fails_with_how_many_were_ready(tmp_path: Path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / f"ready-{gone}").touch()  # left by a process that ended: not counted
+    t = Turns(tmp_path, 2, timeout=0.5)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"only 1 of 2 processes reached their timed steps"):
+        t.take()
+    assert time.perf_counter() - start < 30
+
+
+def test_one_process_takes_its_turn_at_once_and_gives_it_back(tmp_path: Path) -> None:
+    t = Turns(tmp_path, 1)
+    t.take()
+    other = Turns(tmp_path, 1, timeout=5)
+    import fcntl
+
+    with open(tmp_path / "turn.lock", "a") as probe:  # held: a second lock is refused
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    t.give_back()
+    other.take()  # free again
+    other.give_back()
+    start, end = t.record["window"]
+    assert start <= end
+
+
+@pytest.mark.parametrize("bad", ["/tmp/x", "/tmp/x:0", ":2", "/tmp/x:two"])
+def test_take_turns_wants_a_folder_and_a_count(bad: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--variant", "none", "--output", "x.json", "--take-turns", bad])
+    assert "expected DIR:N with N >= 1" in capsys.readouterr().err
+
+
+def test_the_documented_pair_commands_parse() -> None:
+    """docs/benchmarks.md's side-by-side commands (a GPU run) are valid lora_llama.py command lines
+    (the run above is the same mechanism at toy size on the CPU)."""
+    import re
+    import shlex
+
+
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    block = next(b for b in re.findall(r"```\n(.*?)```", text, re.S) if "--take-turns" in b)
+    commands = [shlex.split(c.replace("&", "").replace("; wait", ""))
+                for c in block.replace("\\\n", " ").splitlines() if c.strip()]
+    runs = [c for c in commands if c[2:3] != ["merge"]]
+    assert len(runs) == 2 and all(c[:2] == ["python", "bench/lora_llama.py"] for c in commands)
+    for c in runs:
+        args = _parse(c[2:])
+        assert args.take_turns is not None and args.take_turns[1] == len(runs)
+    assert {_parse(c[2:]).variant for c in runs} == {"trainer-dc-ckpt", "dc-ckpt"}

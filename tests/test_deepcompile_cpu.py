@@ -18,6 +18,7 @@ from typing import Any, Dict, Tuple
 import pytest
 import torch
 
+from ds_z3native.settings import PROFILE_STORE_ENV
 from helpers.dc_runner import RUNNER, needs_cpu_deepcompile, run_alone
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -154,7 +155,7 @@ def test_a_second_run_is_compiled_from_the_fx_graph_cache(tmp_path) -> None:  # 
     # timings (DeepSpeed marks them incomplete), so nothing is recorded and nothing replayed.
     env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-           "DS_Z3NATIVE_PROFILE_STORE": str(tmp_path / "profiles")}
+           PROFILE_STORE_ENV: str(tmp_path / "profiles")}
     cold = _ok(run_alone("cold", ["--model", "frozen-linear"], STEPS, env=env))
     warm = _ok(run_alone("warm", ["--model", "frozen-linear"], STEPS, env=env))
     print(f"\n[fx-graph cache] cold {cold['compile_caches']}, warm {warm['compile_caches']}; "

@@ -180,9 +180,9 @@ def compiling_flag() -> Iterator[None]:
     where the release has one, else its flag set and restored)."""
     import torch
 
-    session = getattr(torch.compiler, "_compile_session_context", None)
-    if session is not None:
-        with session():
+    compile_session = getattr(torch.compiler, "_compile_session_context", None)
+    if compile_session is not None:
+        with compile_session():
             yield
         return
     old = torch.compiler._is_compiling_flag

@@ -14,6 +14,7 @@ Build against the torch you run with:  pip install --no-build-isolation -v -e .
 
 import glob
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -34,6 +35,17 @@ CSRC = os.path.join(HERE, "csrc")
 # The package root is an include dir too: csrc/ops includes the dc op list the package ships
 # (#include "ds_z3native/dc_ops.def"), the one source of the ops for C++ and Python.
 PACKAGE_ROOT = os.path.join(HERE, "python")
+
+
+def package_version():
+    """__version__ of python/ds_z3native/_version.py, the one place it is written, read as text:
+    the build does not import the package it builds."""
+    path = os.path.join(PACKAGE_ROOT, "ds_z3native", "_version.py")
+    with open(path) as f:
+        m = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", f.read(), re.M)
+    if not m:
+        sys.exit(f"no __version__ = \"...\" line in {path}")
+    return m.group(1)
 
 
 def _load_cuda_discovery():
@@ -64,7 +76,6 @@ def cxx_std_flag():
     """The -std flag BuildExtension adds to C++ compiles that name none (c++17 in older torch,
     c++20 in newer); read from its source, since torch exposes it nowhere else."""
     import inspect
-    import re
 
     try:
         source = inspect.getsource(cpp_extension.BuildExtension.build_extensions)
@@ -239,9 +250,11 @@ os.environ.setdefault("MAX_JOBS", str(max(1, os.cpu_count() or 1)))
 
 setup(
     name="ds_z3native",
-    version="0.1.0",
+    version=package_version(),
     description="DeepSpeed ZeRO-3 for models with frozen parameters: a hardened, prebuilt "
                 "DeepCompile native op and version-gated fixes",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     package_dir={"": "python"},
     packages=find_packages("python"),
     py_modules=["ds_z3native_autoload"],

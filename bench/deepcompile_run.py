@@ -8,9 +8,10 @@ and the native runtime are process-wide), and by hand for the closing note's tim
     # DeepSpeed's own op, JIT-built into a fresh extension cache (no install())
     python bench/deepcompile_run.py --mode deepcompile --native deepspeed --fresh-extension-cache
 
-Models (``--model``): ``seed``, a frozen Linear feeding a trainable one; ``reuse3``, one frozen
-Linear applied three times between trainable layers; ``eager-head``, the seed model whose
-trainable head runs outside Dynamo (``torch._dynamo.disable``: a forced eager fallback);
+Models (``--model``): ``frozen-linear``, a frozen Linear feeding a trainable one (the minimal
+reproduction); ``reuse3``, one frozen Linear applied three times between trainable layers;
+``eager-head``, the frozen-linear model whose trainable head runs outside Dynamo
+(``torch._dynamo.disable``: a forced eager fallback);
 ``eager-frozen``, the same with a frozen eager layer before a trainable one;
 ``eager-frozen-flagged``, that eager layer run with torch's compile-session flag up; ``llama``, an HF
 ``LlamaForCausalLM`` from a config (``--size``, see ``ds_z3native.models``) with PEFT LoRA on
@@ -100,7 +101,7 @@ def build_model(kind: str) -> Any:
     import torch
     from torch import nn
 
-    class Seed(nn.Module):
+    class FrozenLinear(nn.Module):
         """A frozen Linear feeding a trainable one."""
 
         def __init__(self) -> None:
@@ -130,8 +131,8 @@ def build_model(kind: str) -> Any:
             out = self.head(torch.relu(self.frozen(h)))
             return nn.functional.mse_loss(out.float(), y.float())
 
-    class EagerHead(Seed):
-        """The seed model whose trainable head Dynamo must not compile: the head always runs
+    class EagerHead(FrozenLinear):
+        """The frozen-linear model whose trainable head Dynamo must not compile: the head always runs
         eagerly, between compiled graphs (an eager fallback after a graph break)."""
 
         def __init__(self) -> None:
@@ -169,7 +170,7 @@ def build_model(kind: str) -> Any:
 
             self.frozen.forward = torch._dynamo.disable(forward_with_compiling_flag)
 
-    return {"seed": Seed, "reuse3": Reuse3, "eager-head": EagerHead,
+    return {"frozen-linear": FrozenLinear, "reuse3": Reuse3, "eager-head": EagerHead,
             "eager-frozen": EagerFrozen, "eager-frozen-flagged": EagerFrozenFlagged}[kind]()
 
 
@@ -179,9 +180,9 @@ def compiling_flag() -> Iterator[None]:
     where the release has one, else its flag set and restored)."""
     import torch
 
-    session = getattr(torch.compiler, "_compile_session_context", None)
-    if session is not None:
-        with session():
+    compile_session = getattr(torch.compiler, "_compile_session_context", None)
+    if compile_session is not None:
+        with compile_session():
             yield
         return
     old = torch.compiler._is_compiling_flag
@@ -405,9 +406,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--mode", choices=["deepcompile", "eager"], default="deepcompile")
     parser.add_argument("--native", choices=["ours", "deepspeed"], default="ours",
                         help="ours: ds_z3native.install(); deepspeed: DeepSpeed's own op (JIT)")
-    parser.add_argument("--model", choices=["seed", "reuse3", "eager-head", "eager-frozen",
+    parser.add_argument("--model", choices=["frozen-linear", "reuse3", "eager-head", "eager-frozen",
                                             "eager-frozen-flagged", "llama"],
-                        default="seed")
+                        default="frozen-linear")
     parser.add_argument("--size", default="tiny", help="llama size (ds_z3native.models)")
     parser.add_argument("--checkpointing", choices=["none", "non-reentrant", "reentrant"],
                         default="none", help="llama: HF gradient checkpointing")

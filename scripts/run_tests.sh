@@ -9,9 +9,9 @@
 #
 # The pytest suites run on one pytest-xdist worker per core (at most 4; a test file stays on one
 # worker); the matrix runs as many releases at a time, those with slow tests first. The matrix
-# runs the subset's fast tests on every release and its slow ones (seed reproductions, demo,
-# DeepCompile's registration, DeepCompile on the CPU from 0.19.4) on one release a day, chosen by
-# the day of the year (each release once a week).
+# runs the subset's fast tests on every release and its slow ones (the eager-recompute minimal
+# reproductions, demo, DeepCompile's registration, DeepCompile on the CPU from 0.19.4) on one
+# release a day, chosen by the day of the year (each release once a week).
 # DSZ_MATRIX_FULL="0.19.0 0.19.5" picks the releases that get the slow tests too ("all": every
 # one), DSZ_MATRIX=off skips the matrix.
 set -euo pipefail

@@ -19,6 +19,8 @@ from typing import Any, Dict, List
 
 import pytest
 
+from ds_z3native.settings import PROFILE_STORE_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # bench/ is a folder of the checkout, not an installed package
 
@@ -615,7 +617,7 @@ def test_dc_warm_compiles_from_the_cache_dc_filled_in_the_same_invocation() -> N
         lines = [ln for ln in r.stdout.splitlines() if "--variant " in ln]
         return {ln.split("--variant ")[1].split()[0]: (
             ln.split("TORCHINDUCTOR_CACHE_DIR=")[1].split()[0],
-            ln.split("DS_Z3NATIVE_PROFILE_STORE=")[1].split()[0] if "PROFILE_STORE=" in ln else None)
+            ln.split(f"{PROFILE_STORE_ENV}=")[1].split()[0] if f"{PROFILE_STORE_ENV}=" in ln else None)
             for ln in lines}
 
     first, second = plan(), plan()
@@ -861,7 +863,7 @@ def test_compile_scaling_gpu_plan_runs_each_depth_cold_warm_and_deepspeeds_op() 
         ours = x["output"].startswith("ours")
         assert x["variant"] == ("dc-ckpt" if ours else "dc-ckpt-upstream")
         assert x["build_op_first"] is not ours  # DeepSpeed's JIT build stays out of its times
-        assert ("DS_Z3NATIVE_PROFILE_STORE" in x["env"]) is ours
+        assert (PROFILE_STORE_ENV in x["env"]) is ours
         assert x["env"].get("DS_Z3NATIVE") == (None if ours else "0")  # no zero-code install
     by_key = {x["output"][:-len(".json")]: x["env"] for x in runs}
     caches = [env["TORCHINDUCTOR_CACHE_DIR"] for env in by_key.values()]
@@ -872,7 +874,7 @@ def test_compile_scaling_gpu_plan_runs_each_depth_cold_warm_and_deepspeeds_op() 
         assert warm == cold
         assert caches.count(cold["TORCHINDUCTOR_CACHE_DIR"]) == 2
         assert caches.count(theirs["TORCHINDUCTOR_CACHE_DIR"]) == 1
-    assert len({env.get("DS_Z3NATIVE_PROFILE_STORE") for env in by_key.values()} - {None}) == 4
+    assert len({env.get(PROFILE_STORE_ENV) for env in by_key.values()} - {None}) == 4
     # Every invocation starts cold.
     again = _plan_runs(_plan().stdout)
     assert again[0]["env"]["TORCHINDUCTOR_CACHE_DIR"] != runs[0]["env"]["TORCHINDUCTOR_CACHE_DIR"]

@@ -63,10 +63,10 @@ def _collectives_under_python_dispatch(rank: int, world_size: int) -> Dict[str, 
             total = torch.tensor([rank + 1])
         ds_dist.all_reduce(total)
     # ...and inside a torch.compile session, as a backend runs them: torch.compiler.is_compiling()
-    # is True there (the patch's first check was that, and let this deadlock through: a CI hang).
-    session = getattr(torch.compiler, "_compile_session_context", contextlib.nullcontext)
+    # is True there (a patch that checks is_compiling() alone lets this deadlock through).
+    compile_session = getattr(torch.compiler, "_compile_session_context", contextlib.nullcontext)
     in_session = Recording()
-    with session():
+    with compile_session():
         compiling = torch.compiler.is_compiling()
         with enable_python_dispatcher(), in_session:
             smallest = torch.tensor([rank + 5])

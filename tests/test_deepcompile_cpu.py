@@ -18,6 +18,7 @@ from typing import Any, Dict, Tuple
 import pytest
 import torch
 
+from ds_z3native.settings import PROFILE_STORE_ENV
 from helpers.dc_runner import RUNNER, needs_cpu_deepcompile, run_alone
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -154,9 +155,9 @@ def test_a_second_run_is_compiled_from_the_fx_graph_cache(tmp_path) -> None:  # 
     # timings (DeepSpeed marks them incomplete), so nothing is recorded and nothing replayed.
     env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-           "DS_Z3NATIVE_PROFILE_STORE": str(tmp_path / "profiles")}
-    cold = _ok(run_alone("cold", ["--model", "seed"], STEPS, env=env))
-    warm = _ok(run_alone("warm", ["--model", "seed"], STEPS, env=env))
+           PROFILE_STORE_ENV: str(tmp_path / "profiles")}
+    cold = _ok(run_alone("cold", ["--model", "frozen-linear"], STEPS, env=env))
+    warm = _ok(run_alone("warm", ["--model", "frozen-linear"], STEPS, env=env))
     print(f"\n[fx-graph cache] cold {cold['compile_caches']}, warm {warm['compile_caches']}; "
           f"compile to the end of step 1: cold {cold['compile_to_first_step_end_s']:.1f} s, "
           f"warm {warm['compile_to_first_step_end_s']:.1f} s; re-plan step: cold "
@@ -266,4 +267,4 @@ def test_a_hung_run_fails_with_its_stacks(monkeypatch: pytest.MonkeyPatch) -> No
                                              r"Thread 0x[0-9a-f]+ \(most recent call first\):\n"
                                              r'  File "[^\n]*", line \d+ in [^\n]+\n.*'
                                              r'deepcompile_run\.py", line \d+ in main\n'):
-        run("--model", "seed", "--mode", "eager", steps=10**6)
+        run("--model", "frozen-linear", "--mode", "eager", steps=10**6)

@@ -76,8 +76,8 @@ class Tripwire(nn.Module):
         return x
 
 
-class SeedBlock(nn.Module):
-    """The seed reproduction's block: a frozen LayerNorm feeding a trainable Linear."""
+class NormLinearBlock(nn.Module):
+    """The minimal reproduction's block: a frozen LayerNorm feeding a trainable Linear."""
 
     def __init__(self, dim: int, frozen: bool = True) -> None:
         super().__init__()
@@ -126,8 +126,8 @@ class Net(nn.Module):
         super().__init__()
         dim = case.dim
         self.proj = nn.Linear(dim, dim) if case.input_grad else None
-        if case.model == "seed":
-            blocks = [SeedBlock(dim, frozen=case.frozen) for _ in range(case.blocks)]
+        if case.model == "norm-linear":
+            blocks = [NormLinearBlock(dim, frozen=case.frozen) for _ in range(case.blocks)]
         else:
             blocks = [LoraBlock(dim, reuse=case.reuse, gated=case.model == "gated")
                       for _ in range(case.blocks)]
@@ -149,8 +149,8 @@ class Net(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    model: str = "lora"  # "seed" | "lora" | "gated"
-    frozen: bool = True  # "seed": whether the norm is frozen
+    model: str = "lora"  # "norm-linear" | "lora" | "gated"
+    frozen: bool = True  # "norm-linear": whether the norm is frozen
     dim: int = 64
     blocks: int = 2
     checkpoint: str = "nonreentrant"  # or "reentrant"
@@ -174,9 +174,10 @@ class Case:
         return 0.1 / self.dim
 
 
-SEED = Case("seed", model="seed", dim=1024, input_grad=False)
-SEED_DEFAULT_PERSISTENCE = dataclasses.replace(SEED, name="seed-default-persistence",
-                                               persistence=None)
+NORM_LINEAR = Case("norm-linear", model="norm-linear", dim=1024, input_grad=False)
+NORM_LINEAR_DEFAULT_PERSISTENCE = dataclasses.replace(NORM_LINEAR,
+                                                      name="norm-linear-default-persistence",
+                                                      persistence=None)
 LORA = Case("lora")
 LORA_NO_INPUT_GRAD = Case("lora-no-input-grad", input_grad=False)
 LORA_GAS2 = Case("lora-gas2", gas=2)
@@ -192,7 +193,7 @@ SCALE_BACKWARD_BF16 = Case("lora-scale-backward-bf16", input_grad=False, backwar
                            precision="bf16")
 SCALE_BACKWARD_FP16 = Case("lora-scale-backward-fp16", input_grad=False, backward="scale",
                            precision="fp16")
-NO_EARLY_STOP_TRAINABLE = Case("no-early-stop-trainable", model="seed", frozen=False,
+NO_EARLY_STOP_TRAINABLE = Case("no-early-stop-trainable", model="norm-linear", frozen=False,
                                early_stop=False)
 GATED_LAST_USE = Case("gated-last-use", model="gated", probe_last_use=True)
 
@@ -399,8 +400,8 @@ def _assert_trained_like_pytorch(name: str, got: Dict[str, Any], case: Case) -> 
                                    msg=lambda m: f"{name} {pname}: {m}")
 
 
-PATCHED_CASES = [SEED, SEED_DEFAULT_PERSISTENCE, LORA, LORA_NO_INPUT_GRAD, LORA_GAS2, LORA_REUSE,
-                 LORA_RAISE_RETRY, LORA_REENTRANT, LORA_DEFAULT_PERSISTENCE, NO_EARLY_STOP,
+PATCHED_CASES = [NORM_LINEAR, NORM_LINEAR_DEFAULT_PERSISTENCE, LORA, LORA_NO_INPUT_GRAD, LORA_GAS2,
+                 LORA_REUSE, LORA_RAISE_RETRY, LORA_REENTRANT, LORA_DEFAULT_PERSISTENCE, NO_EARLY_STOP,
                  NO_EARLY_STOP_TRAINABLE, TORCH_BACKWARD, TORCH_BACKWARD_GAS2, SCALE_BACKWARD,
                  SCALE_BACKWARD_BF16]
 
@@ -448,19 +449,20 @@ def test_install_two_ranks() -> None:
 @pytest.mark.slow
 @pytest.mark.release_matrix
 def test_unpatched_deepspeed_fails() -> None:
-    """DeepSpeed alone: the seed reproduction raises CheckpointError before 0.19.3; from 0.19.3
+    """DeepSpeed alone: the minimal reproduction raises CheckpointError before 0.19.3; from 0.19.3
     recomputed frozen params stay gathered past their last use when the block's own op starts the
     recompute; with early stop off every 0.19.x partitions a param its running backward still
     needs (no frozen params needed for that one)."""
-    results = run_ranks(run_group, 1, "unpatched", [SEED, NO_EARLY_STOP_TRAINABLE, GATED_LAST_USE],
+    results = run_ranks(run_group, 1, "unpatched",
+                        [NORM_LINEAR, NO_EARLY_STOP_TRAINABLE, GATED_LAST_USE],
                         timeout=RANK_TIMEOUT)[0]
     assert results["_mode"] is None
-    seed = results[SEED.name]
-    assert_unpatched_outcome(seed, UPSTREAM_FIX)
+    minimal = results[NORM_LINEAR.name]
+    assert_unpatched_outcome(minimal, UPSTREAM_FIX)
     if UPSTREAM_FIX:
         # No error, but its forward module stack grows with every recompute cut short by early
         # stop.
-        assert any("FWD_MODULE_STACK" in v for v in seed["violations"]), seed["violations"]
+        assert any("FWD_MODULE_STACK" in v for v in minimal["violations"]), minimal["violations"]
     gated = results[GATED_LAST_USE.name]
     if UPSTREAM_FIX:
         # DeepSpeed attributes the recomputed frozen params to the block (its gate op starts the

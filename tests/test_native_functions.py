@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import ds_z3native
+from ds_z3native.settings import BUDGET_RANGE, MAX_BUDGET_MIB
 from helpers.native_rt import compile_config, local_group
 
 pytestmark = pytest.mark.deepspeed
@@ -390,9 +391,9 @@ def test_persistence_budget_caps_set_persistent(m, clean_settings) -> None:
     assert m.persistence_info()["budget_bytes"] is None
     m.init(local_group(), compile_config(), 4096)  # and the next init()
     assert m.persistence_info()["budget_bytes"] is None
-    for bad in (-1, float("nan"), "2", True, 1e12):
+    for bad in (-1, float("nan"), "2", True, MAX_BUDGET_MIB):
         with pytest.raises(ValueError, match=re.escape(
-                f"set_persistence_budget: expected MiB in [0, 1e12) or None, got {bad!r}")):
+                f"set_persistence_budget: expected MiB in {BUDGET_RANGE} or None, got {bad!r}")):
             ds_z3native.set_persistence_budget(bad)
     assert ds_z3native.current_settings().persistence_budget_mib is None  # refused: unchanged
 

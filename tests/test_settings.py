@@ -17,8 +17,8 @@ import pytest
 import ds_z3native
 from ds_z3native import settings
 from ds_z3native.compat import deepcompile_prefetch, deepcompile_profile_store
-from ds_z3native.settings import (PERSISTENCE_BUDGET_ENV, PREFETCH_BUDGET_ENV, PROFILE_STORE_ENV,
-                                  Settings)
+from ds_z3native.settings import (BUDGET_RANGE, MAX_BUDGET_MIB, PERSISTENCE_BUDGET_ENV,
+                                  PREFETCH_BUDGET_ENV, PROFILE_STORE_ENV, Settings)
 from helpers.dist import run_python
 
 
@@ -32,22 +32,40 @@ def test_the_environment_gives_the_defaults() -> None:
 
 
 @pytest.mark.parametrize("name", [PERSISTENCE_BUDGET_ENV, PREFETCH_BUDGET_ENV])
-@pytest.mark.parametrize("raw", ["lots", "-1", "nan", "inf", "1e12"])
+@pytest.mark.parametrize("raw", ["lots", "-1", "nan", "inf", str(MAX_BUDGET_MIB)])
 def test_a_malformed_variable_is_refused_naming_it_and_its_value(name: str, raw: str) -> None:
-    with pytest.raises(ValueError, match=rf"^{name}: expected MiB in \[0, 1e12\).*{re.escape(repr(raw))}"):
+    with pytest.raises(ValueError, match=rf"^{name}: expected MiB in {re.escape(BUDGET_RANGE)}.*"
+                                         rf"{re.escape(repr(raw))}"):
         Settings.from_env({name: raw})
 
 
 def test_each_value_is_checked_once_whoever_sets_it() -> None:
-    for bad in (-1, math.nan, math.inf, 1e12, True, "2"):
+    for bad in (-1, math.nan, math.inf, MAX_BUDGET_MIB, True, "2"):
         with pytest.raises(ValueError, match=re.escape(f"Settings.prefetch_budget_mib: expected "
-                                                       f"MiB in [0, 1e12) or None, got {bad!r}")):
+                                                       f"MiB in {BUDGET_RANGE} or None, got {bad!r}")):
             Settings(prefetch_budget_mib=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"set_profile_store: the directory is empty \(''\)"):
         ds_z3native.set_profile_store("")
     with pytest.raises(ValueError, match=r"set_profile_store: expected a directory .* got 5"):
         ds_z3native.set_profile_store(5)  # type: ignore[arg-type]
     assert settings.check_budget_mib(0, "x") == 0.0 and settings.check_budget_mib(None, "x") is None
+
+
+def test_the_budget_range_the_messages_and_docs_state_is_the_bound_checked() -> None:
+    # The range the messages write is made from MAX_BUDGET_MIB: its upper end reads back as the
+    # bound, the values on either side of that bound are accepted and refused, and the docs that
+    # state the range (the setters' docstrings, the error table) write the same text.
+    assert re.fullmatch(r"\[0, [0-9.e]+\)", BUDGET_RANGE), BUDGET_RANGE
+    assert float(BUDGET_RANGE[len("[0, "):-1]) == MAX_BUDGET_MIB
+    below = math.nextafter(MAX_BUDGET_MIB, 0)
+    assert settings.check_budget_mib(below, "x") == below
+    with pytest.raises(ValueError, match=re.escape(f"x: expected MiB in {BUDGET_RANGE} or None")):
+        settings.check_budget_mib(MAX_BUDGET_MIB, "x")
+    errors = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+    for where, text in [("set_persistence_budget", ds_z3native.set_persistence_budget.__doc__),
+                        ("set_prefetch_budget", ds_z3native.set_prefetch_budget.__doc__),
+                        ("docs/errors.md", errors)]:
+        assert f"MiB in {BUDGET_RANGE}" in " ".join((text or "").split()), where
 
 
 def test_the_setters_keep_their_state_out_of_the_environment(clean_settings, tmp_path: Path) -> None:
@@ -101,7 +119,7 @@ def test_a_malformed_variable_is_refused_before_the_native_module_loads() -> Non
     """
     r = run_python(code, env={PERSISTENCE_BUDGET_ENV: "lots"})
     assert r.returncode == 0, r.stderr
-    assert (f"refused: {PERSISTENCE_BUDGET_ENV}: expected MiB in [0, 1e12), got 'lots'"
+    assert (f"refused: {PERSISTENCE_BUDGET_ENV}: expected MiB in {BUDGET_RANGE}, got 'lots'"
             in r.stdout), r.stdout
     assert "loaded: False" in r.stdout, r.stdout
 

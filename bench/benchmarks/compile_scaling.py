@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ds_z3native.settings import PROFILE_STORE_ENV
 from bench.core.registry import BenchContext, Benchmark, register
 from bench.core.runner import Command, run_command
 from bench.core.schema import metric_value, read_json, run_ok, versions
@@ -138,7 +139,7 @@ def _command(run: ScalingRun, ctx: BenchContext, steps: int) -> Command:
     out = work / "runs" / f"{run.key}.json"
     env = {"TORCHINDUCTOR_CACHE_DIR": str(_inductor_dir(ctx, run.implementation, run.layers))}
     if run.implementation == "ours":
-        env["DS_Z3NATIVE_PROFILE_STORE"] = str(work / "profiles" / f"{run.layers}l")
+        env[PROFILE_STORE_ENV] = str(work / "profiles" / f"{run.layers}l")
     else:  # DeepSpeed alone, whatever the shell's DS_Z3NATIVE says
         env["DS_Z3NATIVE"] = "0"
     if ctx.smoke:

@@ -67,7 +67,7 @@ def _first_step_run(ctx: BenchContext) -> Dict[str, Any]:
     run_commands(cmds, ctx.work_dir / "logs", ctx.timeout)
     result = _first_step_collect(cmds)
     result["setup"] = {
-        "runner": "bench/deepcompile_run.py --mode deepcompile", "model": "seed: a frozen "
+        "runner": "bench/deepcompile_run.py --mode deepcompile", "model": "frozen-linear: a frozen "
         "Linear(64, 64) feeding a trainable Linear(64, 16), batch 8, fp32, AdamW lr 1e-3",
         "steps": ctx.steps or 10, "repeats": ctx.repeats or 3, "processes": "one per run, one GPU",
         "first_step_s": "engine.compile() to the end of step 1; fresh inductor cache every run, "

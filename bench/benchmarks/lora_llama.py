@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 from packaging.version import Version
 
 from ds_z3native._net import free_port
+from ds_z3native.settings import PROFILE_STORE_ENV
 from bench.core.registry import BenchContext, Benchmark, deepspeed_envs, register
 from bench.core.runner import Command, run_command, run_commands
 from bench.core.schema import read_json, versions
@@ -52,7 +53,7 @@ def _lora_inductor_cache(ctx: BenchContext, deepspeed: str, variant: str = "") -
     env = {"TORCHINDUCTOR_CACHE_DIR": str(ctx.work_dir / "inductor" / deepspeed
                                           / ("dc" if shared else variant or "default"))}
     if shared:
-        env["DS_Z3NATIVE_PROFILE_STORE"] = str(ctx.work_dir / "profiles" / deepspeed)
+        env[PROFILE_STORE_ENV] = str(ctx.work_dir / "profiles" / deepspeed)
     return env
 
 

@@ -27,23 +27,26 @@ from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional
 
 __all__ = ["Settings", "PERSISTENCE_BUDGET_ENV", "PREFETCH_BUDGET_ENV", "PROFILE_STORE_ENV",
-           "MAX_BUDGET_MIB", "check_budget_mib", "check_profile_store", "current", "subscribe",
-           "update", "use"]
+           "MAX_BUDGET_MIB", "BUDGET_RANGE", "check_budget_mib", "check_profile_store", "current",
+           "subscribe", "update", "use"]
 
 PERSISTENCE_BUDGET_ENV = "DS_Z3NATIVE_PERSISTENCE_BUDGET_MB"
 PREFETCH_BUDGET_ENV = "DS_Z3NATIVE_PREFETCH_BUDGET_MB"
 PROFILE_STORE_ENV = "DS_Z3NATIVE_PROFILE_STORE"
 MAX_BUDGET_MIB = 1e12  # exclusive; far above any device, and still exact in int64 bytes
+# The accepted budgets as the error messages and docs write them, from MAX_BUDGET_MIB.
+BUDGET_RANGE = f"[0, {MAX_BUDGET_MIB:g})".replace("e+", "e")
 
 
 def check_budget_mib(value: Any, what: str) -> Optional[float]:
-    """``value`` as a budget in MiB: None (no cap) or a finite number in [0, 1e12); ValueError
-    naming ``what`` (the setter or variable it came from) and the value otherwise."""
+    """``value`` as a budget in MiB: None (no cap) or a finite number in :data:`BUDGET_RANGE`
+    (from 0 up to :data:`MAX_BUDGET_MIB`, exclusive); ValueError naming ``what`` (the setter or
+    variable it came from) and the value otherwise."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or value < 0 or value >= MAX_BUDGET_MIB:
-        raise ValueError(f"{what}: expected MiB in [0, 1e12) or None, got {value!r}")
+        raise ValueError(f"{what}: expected MiB in {BUDGET_RANGE} or None, got {value!r}")
     return float(value)
 
 
@@ -101,7 +104,7 @@ class Settings:
             try:
                 return check_budget_mib(float(raw), name)
             except ValueError:
-                raise ValueError(f"{name}: expected MiB in [0, 1e12), got {raw!r} (unset it "
+                raise ValueError(f"{name}: expected MiB in {BUDGET_RANGE}, got {raw!r} (unset it "
                                  "for no cap)") from None
 
         store = environ.get(PROFILE_STORE_ENV, "").strip()

@@ -24,16 +24,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed]
 
 STEPS = 10  # past DeepCompile's 5 warm-up steps, so prefetch and selective gather run
 
+_DC = ("--mode", "deepcompile", "--native", "ours")
+_EAGER = ("--mode", "eager", "--native", "deepspeed")
 # name -> runner arguments
 RUNS: Dict[str, Tuple[str, ...]] = {
-    "seed-fp32-dc": ("--mode", "deepcompile", "--native", "ours", "--model", "seed", "--dtype", "fp32"),
-    "seed-fp32-eager": ("--mode", "eager", "--native", "deepspeed", "--model", "seed", "--dtype", "fp32"),
-    "seed-bf16-dc": ("--mode", "deepcompile", "--native", "ours", "--model", "seed", "--dtype", "bf16"),
-    "seed-bf16-eager": ("--mode", "eager", "--native", "deepspeed", "--model", "seed", "--dtype", "bf16"),
-    "reuse3-fp32-dc": ("--mode", "deepcompile", "--native", "ours", "--model", "reuse3", "--dtype", "fp32"),
-    "reuse3-fp32-eager": ("--mode", "eager", "--native", "deepspeed", "--model", "reuse3", "--dtype", "fp32"),
-    "seed-unfreeze-dc": ("--mode", "deepcompile", "--native", "ours", "--model", "seed", "--dtype", "fp32",
-                         "--unfreeze-after", "2"),
+    "frozen-linear-fp32-dc": (*_DC, "--model", "frozen-linear", "--dtype", "fp32"),
+    "frozen-linear-fp32-eager": (*_EAGER, "--model", "frozen-linear", "--dtype", "fp32"),
+    "frozen-linear-bf16-dc": (*_DC, "--model", "frozen-linear", "--dtype", "bf16"),
+    "frozen-linear-bf16-eager": (*_EAGER, "--model", "frozen-linear", "--dtype", "bf16"),
+    "reuse3-fp32-dc": (*_DC, "--model", "reuse3", "--dtype", "fp32"),
+    "reuse3-fp32-eager": (*_EAGER, "--model", "reuse3", "--dtype", "fp32"),
+    "frozen-linear-unfreeze-dc": (*_DC, "--model", "frozen-linear", "--dtype", "fp32",
+                                  "--unfreeze-after", "2"),
 }
 
 
@@ -42,7 +44,7 @@ RUNS: Dict[str, Tuple[str, ...]] = {
 # reference. Each param is sharded across the two ranks (odd sizes padded), gathered and reduce-
 # scattered by NCCL.
 RUNS_WS2: Dict[str, Tuple[str, ...]] = {
-    "seed-fp32-dc-ws2": RUNS["seed-fp32-dc"],
+    "frozen-linear-fp32-dc-ws2": RUNS["frozen-linear-fp32-dc"],
     "reuse3-fp32-dc-ws2": RUNS["reuse3-fp32-dc"],
 }
 
@@ -111,8 +113,9 @@ BF16_RTOL, BF16_ATOL = 2e-2, 2e-3
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_seed_repro_trains_under_deepcompile_and_matches_eager(runs: Dict[str, Any], dtype: str) -> None:
-    compiled, eager = _check_training(runs, f"seed-{dtype}")
+def test_minimal_repro_trains_under_deepcompile_and_matches_eager(runs: Dict[str, Any],
+                                                                  dtype: str) -> None:
+    compiled, eager = _check_training(runs, f"frozen-linear-{dtype}")
     rtol, atol = (FP32_RTOL, FP32_ATOL) if dtype == "fp32" else (BF16_RTOL, BF16_ATOL)
     _assert_matches(compiled, eager, rtol, atol)
 
@@ -122,7 +125,7 @@ def test_frozen_layer_used_three_times_matches_eager(runs: Dict[str, Any]) -> No
     _assert_matches(compiled, eager, FP32_RTOL, FP32_ATOL)
 
 
-@pytest.mark.parametrize("key", ["seed-fp32", "reuse3-fp32"])
+@pytest.mark.parametrize("key", ["frozen-linear-fp32", "reuse3-fp32"])
 def test_two_gpus_train_under_deepcompile_like_zero0_eager(runs: Dict[str, Any], key: str) -> None:
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs")
@@ -147,7 +150,7 @@ def test_param_unfrozen_after_compile_raises_our_error(runs: Dict[str, Any]) -> 
     # (UnfrozenAfterCompile, naming the params), not train on without their gradients. Without
     # that guard, dynamo keeps the compiled graphs (no recompile on a requires_grad change) and
     # the native layer refused the first gradient only at step 5 (seen on 0.19.2 and 0.19.8).
-    r = runs["seed-unfreeze-dc"]
+    r = runs["frozen-linear-unfreeze-dc"]
     assert r.get("unfrozen_at_step") == 2, r.get("error", r["log_tail"])
     detail = f"losses {r['losses']}; error {r.get('error')}\n{r['log_tail']}"
     assert "error" in r, f"training went on after unfreezing: {detail}"
@@ -158,7 +161,7 @@ def test_param_unfrozen_after_compile_raises_our_error(runs: Dict[str, Any]) -> 
 
 def test_report_compile_to_first_step_time() -> None:
     # Alone, with fresh inductor and extension caches: what a user's first run costs.
-    r = _trained(run_alone("timing-ours", RUNS["seed-fp32-dc"], STEPS, fresh_caches=True))
+    r = _trained(run_alone("timing-ours", RUNS["frozen-linear-fp32-dc"], STEPS, fresh_caches=True))
     print(f"\n[ds_z3native] DeepSpeed {r['deepspeed']}: engine.compile() to the end of the first "
           f"step with ds_z3native's op (fresh caches): {r['compile_to_first_step_end_s']:.2f} s; "
           f"steady step {r['step_ms_after_warmup']:.2f} ms")
@@ -168,8 +171,9 @@ def test_report_compile_to_first_step_time() -> None:
 @pytest.mark.slow
 def test_deepspeed_own_op_without_install() -> None:
     # DeepSpeed's own path: its op JIT-built into a fresh extension cache, no install().
-    # 0.19.0 - 0.19.5 fail the seed repro with KeyError at engine.compile(); later ones train.
-    args = ("--mode", "deepcompile", "--native", "deepspeed", "--model", "seed", "--dtype", "fp32")
+    # 0.19.0 - 0.19.5 fail the minimal reproduction with KeyError at engine.compile(); later ones train.
+    args = ("--mode", "deepcompile", "--native", "deepspeed", "--model", "frozen-linear",
+            "--dtype", "fp32")
     r = run_alone("timing-deepspeed", args, STEPS, fresh_caches=True)
     if _deepspeed_version() < Version("0.19.6"):
         assert r.get("error_type") == "KeyError", r.get("error", r["log_tail"])

@@ -1,4 +1,4 @@
-"""The eager seed reproduction on one GPU over NCCL: a frozen LayerNorm feeding a trainable Linear,
+"""The eager minimal reproduction on one GPU over NCCL: a frozen LayerNorm feeding a trainable Linear,
 two blocks under non-reentrant torch.utils.checkpoint, D=1024, ZeRO-3, 3 steps (fp32); and the
 recompute holds released however backward is entered, in fp16 (a GPU-only mode of DeepSpeed).
 
@@ -21,8 +21,9 @@ from packaging.version import Version
 
 from helpers.dist import run_ranks
 from helpers.zero import assert_unpatched_outcome, train_and_collect
-from test_eager_recompute import (SCALE_BACKWARD_BF16, SCALE_BACKWARD_FP16, SEED, TORCH_BACKWARD_GAS2,
-                                  _assert_group, _batches, _engine, _zero_state_violations, run_group)
+from test_eager_recompute import (NORM_LINEAR, SCALE_BACKWARD_BF16, SCALE_BACKWARD_FP16,
+                                  TORCH_BACKWARD_GAS2, _assert_group, _batches, _engine,
+                                  _zero_state_violations, run_group)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed]
 
@@ -33,12 +34,12 @@ UPSTREAM_FIX = Version(deepspeed.__version__.split("+")[0]) >= Version("0.19.3")
 def _train(device: torch.device, rank: int, world_size: int) -> Dict[str, Any]:
     from deepspeed.runtime.zero import parameter_offload
 
-    model, engine, reference = _engine(SEED, rank, world_size)
+    model, engine, reference = _engine(NORM_LINEAR, rank, world_size)
     stack_len = len(parameter_offload.FWD_MODULE_STACK)
     out: Dict[str, Any] = {"losses": [], "violations": []}
 
     def train() -> None:
-        for step_batches in _batches(SEED, world_size):
+        for step_batches in _batches(NORM_LINEAR, world_size):
             loss = engine(step_batches[0][rank].to(device))
             engine.backward(loss)
             out["violations"] += _zero_state_violations(model, stack_len)
@@ -48,7 +49,7 @@ def _train(device: torch.device, rank: int, world_size: int) -> Dict[str, Any]:
     return train_and_collect(engine, model, reference, out, train)
 
 
-def seed_on_device(rank: int, world_size: int, device_type: str, backend: str) -> Dict[str, Any]:
+def norm_linear_on_device(rank: int, world_size: int, device_type: str, backend: str) -> Dict[str, Any]:
     """DeepSpeed alone, then with ds_z3native.install(), on ``device_type`` over ``backend``."""
     import torch.distributed as dist
 
@@ -82,18 +83,18 @@ def check(results: Dict[str, Any], rtol: float, atol: float) -> None:
                                    msg=lambda m: f"{name}: {m}")
 
 
-def test_seed_reproduction_one_gpu_nccl() -> None:
-    results = run_ranks(seed_on_device, 1, "cuda", "nccl", env={"DS_ACCELERATOR": "cuda"},
-                        init_pg=False, timeout=600.0)[0]
+def test_minimal_reproduction_one_gpu_nccl() -> None:
+    results = run_ranks(norm_linear_on_device, 1, "cuda", "nccl",
+                        env={"DS_ACCELERATOR": "cuda"}, init_pg=False, timeout=600.0)[0]
     # cuBLAS and the CPU reference sum in different orders
     check(results, rtol=1e-4, atol=1e-5)
 
 
-def test_seed_reproduction_two_gpus_nccl() -> None:
+def test_minimal_reproduction_two_gpus_nccl() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    for results in run_ranks(seed_on_device, 2, "cuda", "nccl", env={"DS_ACCELERATOR": "cuda"},
-                             init_pg=False, timeout=600.0):
+    for results in run_ranks(norm_linear_on_device, 2, "cuda", "nccl",
+                             env={"DS_ACCELERATOR": "cuda"}, init_pg=False, timeout=600.0):
         check(results, rtol=1e-4, atol=1e-5)
 
 

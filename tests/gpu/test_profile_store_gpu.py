@@ -17,6 +17,7 @@ from typing import Any, Dict
 
 import pytest
 
+from ds_z3native.settings import PROFILE_STORE_ENV
 from helpers.dc_runner import run_alone
 
 pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed]
@@ -34,7 +35,7 @@ def _ok(r: Dict[str, Any]) -> Dict[str, Any]:
 
 def test_a_second_run_replays_the_profiles_and_is_served_by_inductors_cache(tmp_path: Path) -> None:
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-           "DS_Z3NATIVE_PROFILE_STORE": str(tmp_path / "profiles")}
+           PROFILE_STORE_ENV: str(tmp_path / "profiles")}
     cold = _ok(run_alone("cold", ARGS, STEPS, env=env))
     warm = _ok(run_alone("warm", ARGS, STEPS, env=env))
     print(f"\n[profile store] cold {cold['profile_store']} {cold['compile_caches']}, compile to the end "

@@ -1,5 +1,5 @@
 """ZeRO-3 engines in tests: reading partitioned params back, one training run's record, and what
-DeepSpeed alone does with the seed reproduction."""
+DeepSpeed alone does with the minimal reproduction."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def train_and_collect(engine: Any, model: torch.nn.Module, reference: Dict[str, 
 
 def assert_unpatched_outcome(unpatched: Dict[str, Any], upstream_fix: bool) -> None:
     """DeepSpeed alone on a checkpointed block with a frozen param: from 0.19.3
-    (``upstream_fix``) no error; before, the CheckpointError of the seed reproduction (a frozen
+    (``upstream_fix``) no error; before, the CheckpointError of the minimal reproduction (a frozen
     weight recomputed as [0]).
 
     A helper module's asserts are not rewritten by pytest: each names what it saw.

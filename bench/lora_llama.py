@@ -71,9 +71,10 @@ time, under an exclusive lock on ``DIR/turn.lock``; the others wait idle with th
 Each record's ``turns`` gives the waits and its timed window (epoch seconds), so two variants get
 one machine, one GPU and one time span without their timed steps overlapping:
 
-    python bench/lora_llama.py --variant trainer-dc-ckpt --take-turns /tmp/turns:2 --run pair \
+    turns=$(mktemp -d)
+    python bench/lora_llama.py --variant trainer-dc-ckpt --take-turns $turns:2 --run pair \
         --output trainer.json &
-    python bench/lora_llama.py --variant dc-ckpt --take-turns /tmp/turns:2 --run pair \
+    python bench/lora_llama.py --variant dc-ckpt --take-turns $turns:2 --run pair \
         --output own.json; wait
 
 Where the time goes: ``--trace DIR`` runs two more steps after the timed ones under
@@ -201,36 +202,53 @@ def _alive(pid: str) -> bool:
 
 class Turns:
     """Timed steps one process at a time among ``count`` processes sharing ``folder``
-    (``--take-turns``): :meth:`take` marks this process ready, waits until ``count`` are, then
-    holds an exclusive ``flock`` on ``folder/turn.lock`` until :meth:`give_back` (or exit: the OS
-    drops the lock of a process that dies). A process that never gets ready makes the others
-    fail after ``timeout`` seconds, naming how many were ready. Ready marks count only while
-    their process runs, so a folder an earlier pair used can be used again."""
+    (``--take-turns``). Made when a process starts (mark ``started-<pid>``); :meth:`take` marks
+    it ready, waits until ``count`` are, then holds an exclusive ``flock`` on ``folder/turn.lock``
+    until :meth:`give_back` (or exit: the OS drops the lock of a process that dies). A partner
+    that ends before it is ready (a crash while compiling) makes the others fail at once, naming
+    its pid; one that never gets ready, after ``timeout`` seconds. Each pair needs a folder of its
+    own: one holding marks of processes that ended is refused."""
 
     def __init__(self, folder: Path, count: int, timeout: float = 3600.0) -> None:
         self.folder, self.count, self.timeout = folder, count, timeout
         self._lock: Optional[Any] = None
         self.record: Dict[str, Any] = {"dir": str(folder), "processes": count}
+        folder.mkdir(parents=True, exist_ok=True)
+        ended = sorted(f.name for f in self._marks("started") + self._marks("ready")
+                       if not _alive(f.name.split("-", 1)[1]))
+        if ended:
+            raise RuntimeError(f"--take-turns {folder}:{count}: the folder holds marks of "
+                               f"processes that ended ({', '.join(ended)}); give each set of "
+                               f"processes a new folder")
+        (folder / f"started-{os.getpid()}").touch()
+
+    def _marks(self, kind: str) -> List[Path]:
+        return list(self.folder.glob(f"{kind}-*"))
 
     def take(self) -> None:
         import fcntl
 
-        self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"ready-{os.getpid()}").touch()
         start = time.perf_counter()
         last_log = start
         while True:
-            ready = sum(1 for f in self.folder.glob("ready-*") if _alive(f.name[6:]))
-            if ready >= self.count:
+            ready = {f.name.split("-", 1)[1] for f in self._marks("ready")}
+            if len(ready) >= self.count:
                 break
+            gone = sorted(pid for pid in (f.name.split("-", 1)[1] for f in self._marks("started"))
+                          if pid not in ready and not _alive(pid))
+            if gone:
+                raise RuntimeError(f"--take-turns {self.folder}:{self.count}: process "
+                                   f"{', '.join(gone)} ended before its timed steps (see its "
+                                   f"log); {len(ready)} of {self.count} were ready")
             now = time.perf_counter()
             if now - start > self.timeout:
-                raise RuntimeError(f"--take-turns {self.folder}:{self.count}: only {ready} of "
-                                   f"{self.count} processes reached their timed steps within "
+                raise RuntimeError(f"--take-turns {self.folder}:{self.count}: only {len(ready)} "
+                                   f"of {self.count} processes reached their timed steps within "
                                    f"{self.timeout:.0f} s")
             if now - last_log >= 30.0:
                 log.info("waiting for the other processes of %s: %d of %d ready", self.folder,
-                         ready, self.count)
+                         len(ready), self.count)
                 last_log = now
             time.sleep(0.2)
         self.record["ready_wait_s"] = time.perf_counter() - start
@@ -706,6 +724,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     import torch
 
     variant = args.variant
+    # Marked at once: a partner that waits for this process learns if it ends before its turn.
+    turns = Turns(*args.take_turns) if args.take_turns is not None else None
     deepcompile = variant in DEEPCOMPILE
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     if variant in OURS_DC:
@@ -796,12 +816,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     # GPU clocks, throttling and neighbours over the timed steps; its queries before the clock.
     conditions = GpuConditions(device.index if on_gpu else None)
     conditions.prepare()
-    turns = None
-    if args.take_turns is not None:
-        if world_size != 1:
-            raise SystemExit(f"--take-turns runs processes of world size 1 (each on its own); "
-                             f"this one has {world_size} ranks")
-        turns = Turns(*args.take_turns)
+    if turns is not None and world_size != 1:
+        raise SystemExit(f"--take-turns runs processes of world size 1 (each on its own); "
+                         f"this one has {world_size} ranks")
     clock = _StepClock(variant, total, first_timed, deepcompile, on_gpu, conditions, turns)
     step: Optional[Callable[[], float]] = None  # one more step, for --trace and instrumenting
     try:

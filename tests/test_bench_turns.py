@@ -51,16 +51,43 @@ def test_two_runs_take_turns_for_their_timed_steps(tmp_path: Path) -> None:
         assert r["turns"]["processes"] == 2 and r["step_ms"]["n"] == 4
 
 
-def test_a_missing_partner_fails_with_how_many_were_ready(tmp_path: Path) -> None:
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+def _ended_pid() -> str:
+    return subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    tmp_path.mkdir(exist_ok=True)
-    (tmp_path / f"ready-{gone}").touch()  # left by a process that ended: not counted
+
+
+def test_a_partner_that_never_gets_ready_fails_with_how_many_were(tmp_path: Path) -> None:
     t = Turns(tmp_path, 2, timeout=0.5)
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match=r"only 1 of 2 processes reached their timed steps"):
         t.take()
     assert time.perf_counter() - start < 30
+
+
+def test_a_partner_that_ends_before_its_turn_fails_the_others_at_once(tmp_path: Path) -> None:
+    t = Turns(tmp_path, 2, timeout=600)
+    gone = _ended_pid()
+    (tmp_path / f"started-{gone}").touch()  # started, then crashed while compiling
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=rf"process {gone} ended before its timed steps"):
+        t.take()
+    assert time.perf_counter() - start < 30  # not the 600 s timeout
+
+
+def test_a_partner_that_ran_its_turn_and_ended_still_counts_as_ready(tmp_path: Path) -> None:
+    t = Turns(tmp_path, 2, timeout=5)
+    done = _ended_pid()
+    (tmp_path / f"started-{done}").touch()
+    (tmp_path / f"ready-{done}").touch()  # it was ready, took its turn first and exited
+    t.take()
+    t.give_back()
+    assert t.record["ready_wait_s"] < 5
+
+
+def test_a_folder_with_marks_of_ended_processes_is_refused(tmp_path: Path) -> None:
+    (tmp_path / f"ready-{_ended_pid()}").touch()
+    with pytest.raises(RuntimeError, match=r"holds marks of processes that ended .*new folder"):
+        Turns(tmp_path, 2)
 
 
 def test_one_process_takes_its_turn_at_once_and_gives_it_back(tmp_path: Path) -> None:
@@ -95,8 +122,9 @@ def test_the_documented_pair_commands_parse() -> None:
 
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     block = next(b for b in re.findall(r"```\n(.*?)```", text, re.S) if "--take-turns" in b)
-    commands = [shlex.split(c.replace("&", "").replace("; wait", ""))
-                for c in block.replace("\\\n", " ").splitlines() if c.strip()]
+    lines = [c for c in block.replace("\\\n", " ").splitlines() if c.strip()]
+    assert lines[0].strip() == "turns=$(mktemp -d)"  # a new folder for each pair
+    commands = [shlex.split(c.replace("&", "").replace("; wait", "")) for c in lines[1:]]
     runs = [c for c in commands if c[2:3] != ["merge"]]
     assert len(runs) == 2 and all(c[:2] == ["python", "bench/lora_llama.py"] for c in commands)
     for c in runs:

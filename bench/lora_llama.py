@@ -95,7 +95,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from packaging.version import Version
 
@@ -976,7 +976,7 @@ def _machines(record: Mapping[str, Any], ref: Mapping[str, Any]) -> Optional[int
     return None if a is None or b is None else len({a, b})
 
 
-def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
+def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[str, Any]:
     """Combines per-variant records into ``{"bench": "lora_llama", "runs": {"<variant>@<deepspeed>":
     ...}}`` (``lora_llama_ws<N>`` for runs on N GPUs; existing runs in ``output`` are kept unless
     replaced, and a replaced run moves, with the ratios it had, to the file's ``replaced`` list:
@@ -990,15 +990,20 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
     nothing). Each ratio also names ``devices``: on how many GPUs the two runs' timed steps
     ran (2: one invocation's processes landed on two machines; None: not recorded).
 
+    ``beside``: records kept next to the table's runs, in ``replaced``, without taking their
+    place (a profiled run, or the own-loop half of a Trainer pair, where the table keeps a run
+    with its baseline); they get their ratios too.
+
     Ratios compare runs of one invocation only (the same ``run`` label; records without one
-    count as one run). A run whose baseline a later invocation replaced keeps the ratios it got
-    against its own run's baseline; a run with no baseline of its own run gets none."""
+    count as one run): the baseline is that invocation's record of the baseline variant, a
+    table row or one kept beside. A run whose baseline a later invocation replaced keeps the
+    ratios it got against its own run's baseline; a run with no baseline of its own run gets
+    none."""
     merged: Dict[str, Any] = {"bench": "lora_llama", "runs": {}}
     if output.exists():
         merged = json.loads(output.read_text())
-    for path in paths:
-        record = json.loads(path.read_text())
-        key = f"{record['variant']}@{record['versions']['deepspeed']}"
+
+    def check_setup(path: Path, record: Mapping[str, Any], key: str) -> None:
         setup = _comparable_setup(record)
         others = {k: _comparable_setup(r) for k, r in merged["runs"].items() if k != key}
         clash = next(((k, s) for k, s in others.items() if s and setup and s != setup), None)
@@ -1006,21 +1011,51 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
             raise ValueError(f"{path}: run {key} has setup {setup}, but {output} holds run "
                              f"{clash[0]} with {clash[1]}; one file compares one setup (write "
                              f"this one to another --output)")
+
+    for path in paths:
+        record = json.loads(path.read_text())
+        key = f"{record['variant']}@{record['versions']['deepspeed']}"
+        check_setup(path, record, key)
         old = merged["runs"].get(key)
         if old is not None and _measured(old) != _measured(record):  # not the same file again
             merged.setdefault("replaced", []).append(old)
         merged["runs"][key] = record
+    kept_beside: List[Dict[str, Any]] = []
+    for path in beside:
+        record = json.loads(path.read_text())
+        check_setup(path, record, f"{record['variant']}@{record['versions']['deepspeed']}")
+        held = list(merged["runs"].values()) + merged.get("replaced", [])
+        if any(_measured(r) == _measured(record) for r in held):
+            continue  # the same file again
+        merged.setdefault("replaced", []).append(record)
+        kept_beside.append(record)
     sizes = {(r.get("setup") or {}).get("world_size") for r in merged["runs"].values()} - {None}
     merged["bench"] = bench_name(max(sizes, default=1))
-    ok = {k: r for k, r in merged["runs"].items() if "error" not in r and "step_ms" in r}
-    earlier = {k: r.pop("vs", None) or {} for k, r in merged["runs"].items()}
+
+    def usable(r: Mapping[str, Any]) -> bool:
+        return "error" not in r and "step_ms" in r
+
+    ok = {k: r for k, r in merged["runs"].items() if usable(r)}
+    # Records a ratio may take its baseline from: the table's runs first, then those kept
+    # beside them (the newest first), these only with a run label (unlabelled records of
+    # ``replaced`` came from several invocations).
+    pool = list(ok.values()) + [r for r in reversed(merged.get("replaced", []))
+                                if usable(r) and r.get("run") is not None]
+
+    def same_run(variant: str, deepspeed: Optional[str], run: Any) -> Optional[Dict[str, Any]]:
+        return next((r for r in pool if r.get("variant") == variant and r.get("run") == run
+                     and (r.get("versions") or {}).get("deepspeed") == deepspeed), None)
+
+    targets = [(k, r) for k, r in ok.items()] + [
+        (f"{r['variant']}@{r['versions']['deepspeed']}", r) for r in kept_beside if usable(r)]
+    earlier = {id(r): r.pop("vs", None) or {} for _, r in targets}
     newest = max((k.split("@")[1] for k in ok), default=None,
                  key=lambda v: Version(v).release)
-    for base in ("upstream", "none"):
-        ref = ok.get(f"{base}@{newest}")
-        for key, record in ok.items():
-            run = record.get("run")
-            if ref is not None and ref.get("run") == run:
+    for key, record in targets:
+        run = record.get("run")
+        for base in ("upstream", "none"):
+            ref = same_run(base, newest, run)
+            if ref is not None:
                 record.setdefault("vs", {})[base] = {
                     "speedup": ref["step_ms"]["median"] / record["step_ms"]["median"],
                     "peak_ratio": (record["peak_gib"] / ref["peak_gib"]
@@ -1028,19 +1063,18 @@ def merge(paths: List[Path], output: Path) -> Dict[str, Any]:
                     "baseline_ms": ref["step_ms"]["median"], "run": run,
                     "devices": _machines(record, ref)}
                 continue
-            kept = earlier.get(key, {}).get(base)
+            kept = earlier[id(record)].get(base)
             if kept and run is not None and kept.get("run") == run:
                 record.setdefault("vs", {})[base] = kept  # against its own run's baseline
-    for key, record in ok.items():  # a Trainer-driven run against our loop's run of the same
-        own = TRAINER.get(record["variant"])
-        ref = ok.get(f"{own}@{key.split('@')[1]}") if own else None
-        kept = earlier.get(key, {}).get("own_loop")
-        if ref is not None and ref.get("run") == record.get("run"):
+        own = TRAINER.get(record["variant"])  # a Trainer-driven run against our loop's
+        ref = same_run(own, key.split("@")[1], run) if own else None
+        kept = earlier[id(record)].get("own_loop")
+        if ref is not None:
             record.setdefault("vs", {})["own_loop"] = {
                 "variant": own, "step_ratio": record["step_ms"]["median"] / ref["step_ms"]["median"],
-                "baseline_ms": ref["step_ms"]["median"], "run": record.get("run"),
+                "baseline_ms": ref["step_ms"]["median"], "run": run,
                 "devices": _machines(record, ref)}
-        elif kept and record.get("run") is not None and kept.get("run") == record.get("run"):
+        elif kept and run is not None and kept.get("run") == run:
             record.setdefault("vs", {})["own_loop"] = kept  # against its own run's loop
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
@@ -1052,10 +1086,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["merge"]:
         p = argparse.ArgumentParser(prog="lora_llama.py merge")
-        p.add_argument("inputs", type=Path, nargs="+")
+        p.add_argument("inputs", type=Path, nargs="*")
+        p.add_argument("--beside", type=Path, nargs="+", default=[], metavar="RECORD",
+                       help="records kept next to the table's runs (in 'replaced') without "
+                            "taking their place, e.g. a profiled run")
         p.add_argument("--output", type=Path, required=True)
         m = p.parse_args(argv[1:])
-        merged = merge(m.inputs, m.output)
+        if not m.inputs and not m.beside:
+            p.error("name at least one record (as an input or after --beside)")
+        merged = merge(m.inputs, m.output, m.beside)
         log.info("wrote %s (%d runs)", m.output, len(merged["runs"]))
         return 0
     args = _parse(argv)

@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -1160,3 +1160,38 @@ def test_compile_scaling_smoke_on_cpu(tmp_path: Path) -> None:
         assert "DeepSpeed has no DeepCompile op for its cpu accelerator" in theirs["reason"]
         assert theirs["implementation"] == "deepspeed" and theirs["lora_variant"] == "dc-ckpt-upstream"
         assert summary["cold_vs_deepspeed"] is None and summary["warm_vs_deepspeed"] is None
+
+
+def test_records_kept_beside_the_table_get_ratios_without_taking_its_rows(tmp_path: Path) -> None:
+    """merge --beside: the own-loop half of a Trainer pair (or a profiled run) is kept in
+    ``replaced`` next to the table's row of its variant, which keeps its own baseline; ratios
+    find their same-run baseline there; unlabelled records in ``replaced`` (from several
+    invocations) never serve as one."""
+    from bench.lora_llama import main, merge
+
+    def record(variant: str, median: float, run: Optional[str], name: str = "") -> Path:
+        path = tmp_path / f"{name or variant}-{run}.json"
+        path.write_text(json.dumps({
+            "variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 5.0, "run": run,
+            "step_ms": {"median": median, "min": median, "max": median},
+            "setup": {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4,
+                      "device": "NVIDIA H200", "checkpointing": "non-reentrant"}}))
+        return path
+
+    out = tmp_path / "lora_llama.json"
+    merge([record("upstream", 900.0, "a"), record("dc-ckpt", 100.0, "a")], out)
+    pair = [record("trainer-dc-ckpt", 154.0, "p"), record("dc-ckpt", 140.0, "p")]
+    assert main(["merge", str(pair[0]), "--beside", str(pair[1]), "--output", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    runs = merged["runs"]
+    assert runs["dc-ckpt@0.19.8"]["run"] == "a"  # the table's row stays, with its baseline
+    assert runs["dc-ckpt@0.19.8"]["vs"]["upstream"]["speedup"] == pytest.approx(9.0)
+    assert runs["trainer-dc-ckpt@0.19.8"]["vs"]["own_loop"]["step_ratio"] == pytest.approx(1.1)
+    (kept,) = merged["replaced"]
+    assert kept["run"] == "p" and kept["step_ms"]["median"] == 140.0
+    assert "upstream" not in (kept.get("vs") or {})  # its invocation ran no upstream
+    # The same record again adds nothing; an unlabelled record beside is no baseline for others.
+    merged = merge([], out, beside=[pair[1], record("upstream", 500.0, None, "old")])
+    assert len(merged["replaced"]) == 2
+    merged = merge([record("dc", 120.0, None)], out)
+    assert "upstream" not in (merged["runs"]["dc@0.19.8"].get("vs") or {})

@@ -657,7 +657,7 @@ def test_native_micro_reads_nccls_coll_log_format() -> None:
     from bench.native_micro import CATEGORIES, MARKER_BASE, parse_nccl_coll_log
 
     def line(op: str, op_count: int, count: int, dtype: int) -> str:
-        return (f"gpu-host:4242:4242 [0] NCCL INFO {op}: opCount {op_count:x} sendbuff "
+        return (f"node0:4242:4242 [0] NCCL INFO {op}: opCount {op_count:x} sendbuff "
                 f"0x7f5dd32b2100 recvbuff 0x7f5dd32b4100 count {count} datatype {dtype} op 0 root 0 "
                 f"comm 0x55bef0201370 [nranks=2] stream 0x55bef0208bd0")
 
@@ -666,8 +666,8 @@ def test_native_micro_reads_nccls_coll_log_format() -> None:
 
     end_of_step = len(CATEGORIES) + 2
     log = "\n".join([
-        "gpu-host:4242:4242 [0] NCCL INFO Bootstrap : Using eth0:10.0.0.1<0>",
-        "gpu-host:4242:4242 [0] NCCL INFO comm 0x55bef0201370 rank 0 nranks 2 - Init COMPLETE",
+        "node0:4242:4242 [0] NCCL INFO Bootstrap : Using eth0:10.0.0.1<0>",
+        "node0:4242:4242 [0] NCCL INFO comm 0x55bef0201370 rank 0 nranks 2 - Init COMPLETE",
         marker(CATEGORIES.index("frozen")),
         line("AllGather", 1, 1024, 9), line("AllGather", 2, 512, 9),     # bf16: 2 bytes
         marker(CATEGORIES.index("persistent_frozen")),

@@ -136,7 +136,7 @@ def test_the_native_default_follows_the_settings() -> None:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % PORT, rank=0,
                                 world_size=1)
         cfg = SimpleNamespace(double_buffer=True, free_activation_threshold=0)
-        os.environ["DS_Z3NATIVE_PERSISTENCE_BUDGET_MB"] = "lots"  # read already: not looked at
+        os.environ["ENV_NAME"] = "lots"  # read already: not looked at
         m.init(dist.group.WORLD, cfg, 64)
         print("env:", m.persistence_info()["budget_bytes"])
         ds_z3native.set_persistence_budget(0.5)
@@ -148,6 +148,7 @@ def test_the_native_default_follows_the_settings() -> None:
     """
     from ds_z3native._net import free_port
 
-    r = run_python(code.replace("PORT", str(free_port())), env={PERSISTENCE_BUDGET_ENV: "2"})
+    code = code.replace("PORT", str(free_port())).replace("ENV_NAME", PERSISTENCE_BUDGET_ENV)
+    r = run_python(code, env={PERSISTENCE_BUDGET_ENV: "2"})
     assert r.returncode == 0, r.stderr
     assert "env: 2097152" in r.stdout and "setter: 524288" in r.stdout, r.stdout

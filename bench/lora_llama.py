@@ -190,7 +190,7 @@ def _turns_arg(text: str) -> "tuple[Path, int]":
 
 
 def _alive(pid: str) -> bool:
-    """Whether process ``pid`` runs (a ready mark left by a process that ended does not count)."""
+    """Whether process ``pid`` (a mark's suffix) runs."""
     try:
         os.kill(int(pid), 0)
     except (ValueError, ProcessLookupError):

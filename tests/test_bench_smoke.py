@@ -404,19 +404,26 @@ def test_lora_merge_keeps_one_setup_per_file(tmp_path: Path) -> None:
     assert len(merged["replaced"]) == 1
 
 
+def _lora_record(folder: Path, variant: str, median: float, run: Optional[str],
+                 name: str = "") -> Path:
+    """A 1 B, one-GPU LoRA record of ``variant`` with step time ``median`` in run ``run``,
+    written to ``folder/<name or variant>-<run>.json``."""
+    path = folder / f"{name or variant}-{run}.json"
+    path.write_text(json.dumps({
+        "variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 5.0, "run": run,
+        "step_ms": {"median": median, "min": median, "max": median},
+        "setup": {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4,
+                  "device": "NVIDIA H200", "checkpointing": "non-reentrant"}}))
+    return path
+
+
 def test_trainer_run_is_measured_against_our_loop_of_the_same_run(tmp_path: Path) -> None:
     from bench import report
     from bench.lora_llama import merge
     from bench.benchmarks.lora_llama import check_lora_variants
 
     def record(variant: str, median: float, run: str) -> Path:
-        path = tmp_path / f"{variant}-{run}.json"
-        path.write_text(json.dumps({
-            "variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 5.0, "run": run,
-            "step_ms": {"median": median, "min": median, "max": median},
-            "setup": {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4,
-                      "device": "NVIDIA H200", "checkpointing": "non-reentrant"}}))
-        return path
+        return _lora_record(tmp_path, variant, median, run)
 
     out = tmp_path / "lora_llama.json"
     merged = merge([record("dc-ckpt", 140.0, "b"), record("trainer-dc-ckpt", 154.0, "b")], out)
@@ -1170,13 +1177,7 @@ def test_records_kept_beside_the_table_get_ratios_without_taking_its_rows(tmp_pa
     from bench.lora_llama import main, merge
 
     def record(variant: str, median: float, run: Optional[str], name: str = "") -> Path:
-        path = tmp_path / f"{name or variant}-{run}.json"
-        path.write_text(json.dumps({
-            "variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 5.0, "run": run,
-            "step_ms": {"median": median, "min": median, "max": median},
-            "setup": {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4,
-                      "device": "NVIDIA H200", "checkpointing": "non-reentrant"}}))
-        return path
+        return _lora_record(tmp_path, variant, median, run, name)
 
     out = tmp_path / "lora_llama.json"
     merge([record("upstream", 900.0, "a"), record("dc-ckpt", 100.0, "a")], out)

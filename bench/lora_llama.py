@@ -214,16 +214,17 @@ class Turns:
         self._lock: Optional[Any] = None
         self.record: Dict[str, Any] = {"dir": str(folder), "processes": count}
         folder.mkdir(parents=True, exist_ok=True)
-        ended = sorted(f.name for f in self._marks("started") + self._marks("ready")
-                       if not _alive(f.name.split("-", 1)[1]))
+        ended = sorted(f"{kind}-{pid}" for kind in ("started", "ready")
+                       for pid in self._pids(kind) if not _alive(pid))
         if ended:
             raise RuntimeError(f"--take-turns {folder}:{count}: the folder holds marks of "
                                f"processes that ended ({', '.join(ended)}); give each set of "
                                f"processes a new folder")
         (folder / f"started-{os.getpid()}").touch()
 
-    def _marks(self, kind: str) -> List[Path]:
-        return list(self.folder.glob(f"{kind}-*"))
+    def _pids(self, kind: str) -> List[str]:
+        """The processes with a ``kind`` mark (``started`` or ``ready``) in the folder."""
+        return [f.name.split("-", 1)[1] for f in self.folder.glob(f"{kind}-*")]
 
     def take(self) -> None:
         import fcntl
@@ -232,10 +233,10 @@ class Turns:
         start = time.perf_counter()
         last_log = start
         while True:
-            ready = {f.name.split("-", 1)[1] for f in self._marks("ready")}
+            ready = set(self._pids("ready"))
             if len(ready) >= self.count:
                 break
-            gone = sorted(pid for pid in (f.name.split("-", 1)[1] for f in self._marks("started"))
+            gone = sorted(pid for pid in self._pids("started")
                           if pid not in ready and not _alive(pid))
             if gone:
                 raise RuntimeError(f"--take-turns {self.folder}:{self.count}: process "
@@ -559,11 +560,7 @@ class _StepClock:
         self._timed = i >= self.first_timed
         if i != self.first_timed:
             return
-        if self.turns is not None:
-            if self.on_gpu:
-                import torch
-
-                torch.cuda.synchronize()  # nothing of this process runs in another's turn
+        if self.turns is not None:  # both loops drained the device at the end of the last step
             self.turns.take()
         if self.on_gpu:
             import torch
@@ -976,6 +973,11 @@ def _machines(record: Mapping[str, Any], ref: Mapping[str, Any]) -> Optional[int
     return None if a is None or b is None else len({a, b})
 
 
+def _run_key(record: Mapping[str, Any]) -> str:
+    """A record's key in a merged file's ``runs``: ``<variant>@<deepspeed version>``."""
+    return f"{record['variant']}@{record['versions']['deepspeed']}"
+
+
 def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[str, Any]:
     """Combines per-variant records into ``{"bench": "lora_llama", "runs": {"<variant>@<deepspeed>":
     ...}}`` (``lora_llama_ws<N>`` for runs on N GPUs; existing runs in ``output`` are kept unless
@@ -1014,7 +1016,7 @@ def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[
 
     for path in paths:
         record = json.loads(path.read_text())
-        key = f"{record['variant']}@{record['versions']['deepspeed']}"
+        key = _run_key(record)
         check_setup(path, record, key)
         old = merged["runs"].get(key)
         if old is not None and _measured(old) != _measured(record):  # not the same file again
@@ -1023,7 +1025,7 @@ def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[
     kept_beside: List[Dict[str, Any]] = []
     for path in beside:
         record = json.loads(path.read_text())
-        check_setup(path, record, f"{record['variant']}@{record['versions']['deepspeed']}")
+        check_setup(path, record, _run_key(record))
         held = list(merged["runs"].values()) + merged.get("replaced", [])
         if any(_measured(r) == _measured(record) for r in held):
             continue  # the same file again
@@ -1046,12 +1048,11 @@ def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[
         return next((r for r in pool if r.get("variant") == variant and r.get("run") == run
                      and (r.get("versions") or {}).get("deepspeed") == deepspeed), None)
 
-    targets = [(k, r) for k, r in ok.items()] + [
-        (f"{r['variant']}@{r['versions']['deepspeed']}", r) for r in kept_beside if usable(r)]
-    earlier = {id(r): r.pop("vs", None) or {} for _, r in targets}
+    targets = list(ok.values()) + [r for r in kept_beside if usable(r)]
+    earlier = {id(r): r.pop("vs", None) or {} for r in targets}
     newest = max((k.split("@")[1] for k in ok), default=None,
                  key=lambda v: Version(v).release)
-    for key, record in targets:
+    for record in targets:
         run = record.get("run")
         for base in ("upstream", "none"):
             ref = same_run(base, newest, run)
@@ -1067,7 +1068,7 @@ def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[
             if kept and run is not None and kept.get("run") == run:
                 record.setdefault("vs", {})[base] = kept  # against its own run's baseline
         own = TRAINER.get(record["variant"])  # a Trainer-driven run against our loop's
-        ref = same_run(own, key.split("@")[1], run) if own else None
+        ref = same_run(own, record["versions"]["deepspeed"], run) if own else None
         kept = earlier[id(record)].get("own_loop")
         if ref is not None:
             record.setdefault("vs", {})["own_loop"] = {

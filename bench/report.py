@@ -330,8 +330,7 @@ def _lora_breakdown(runs: Mapping[str, Mapping[str, Any]],
     run label."""
     traced = [(runs[key], run_variant(key, runs[key]), run_deepspeed(key, runs[key]))
               for key in _lora_keys(runs)]
-    traced += [(r, str(r.get("variant") or "?"), (r.get("versions") or {}).get("deepspeed"))
-               for r in others]
+    traced += [(r, run_variant("?", r), run_deepspeed("", r)) for r in others]
     rows = []
     for record, variant, deepspeed in traced:
         split = (record.get("trace") or {}).get("breakdown")

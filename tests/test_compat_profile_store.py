@@ -2,7 +2,8 @@
 
 A profiler here is a ``torch.fx.Interpreter`` that writes what DeepSpeed's profilers write into
 each node's meta, with a different "measurement" each run (as CUDA timings are). Recorded once,
-the profile is replayed in a later run, so the scheduler sees the same figures; a second
+the profile is replayed in a later run without running the graph, so the scheduler sees the
+same figures; a second
 profile of the same graph in one run (DeepCompile's re-plan) is kept apart and never replays the
 first; ranks replay only when every rank has the profile. The all-gather benchmark DeepCompile's
 prefetch pass predicts gather times from is kept and replayed the same way. End to end on a real
@@ -44,7 +45,10 @@ class _Profiler(fx.Interpreter):
     def run(self, *args: Any) -> Any:
         return super().run(*args)
 
+    executed = 0  # nodes run by any profiler of this class
+
     def run_node(self, n: fx.Node) -> Any:
+        type(self).executed += 1
         out = super().run_node(n)
         value = next(_measurements)
         for key in store.NODE_KEYS:
@@ -108,8 +112,10 @@ def test_a_later_run_replays_the_recorded_profile(profile_dir: Path) -> None:
     files = sorted(p.name for p in profile_dir.iterdir())
     assert len(files) == 1 and files[0].startswith("operator-") and files[0].endswith("-0.rank0.json")
     store.reset_store_stats()  # a new run: other graph id, other measurement
+    before = _Profiler.executed
     assert _profile(_graph(222)) == first
     assert store.store_stats() == {"recorded": 0, "replayed": 1}
+    assert _Profiler.executed == before  # the graph was not run: its stored figures were used
 
 
 def test_a_second_profile_in_one_run_is_kept_apart_from_the_first(profile_dir: Path) -> None:
@@ -144,6 +150,28 @@ def test_a_stored_profile_of_other_nodes_is_not_replayed(profile_dir: Path) -> N
     store.reset_store_stats()
     assert _profile(_graph(1)) != first
     assert store.store_stats()["replayed"] == 0
+
+
+def test_a_replayed_memory_profile_is_complete_with_its_record(profile_dir: Path) -> None:
+    """DeepSpeed reads a memory profiler's ``mem_record`` and ``profile_complete`` after ``run``:
+    a replayed (not run) profile sets both as the recorded run left them."""
+    memory = store._with_store("memory", lambda interp, out: True, store._capture_memory,
+                               store._replay_memory)
+
+    class _Memory(_Profiler):
+        run = memory(fx.Interpreter.run)
+
+    first = _Memory(_graph(1))
+    first.run(torch.ones(2))
+    store.reset_store_stats()
+    second = _Memory(_graph(2))
+    second.profile_complete = False
+    before = _Profiler.executed
+    assert second.run(torch.ones(2)) is None
+    assert _Profiler.executed == before
+    assert second.profile_complete is True
+    assert second.mem_record == first.mem_record and len(first.mem_record) == 4
+    assert store.store_stats() == {"recorded": 0, "replayed": 1}
 
 
 def _all_gather_benchmark(device: Any, dtype: Any, maxsize: int) -> List[tuple]:

@@ -113,7 +113,8 @@ def set_profile_store(directory: Optional[str | os.PathLike]) -> None:
     timings vary from run to run, so two runs of the same job compile graphs in different orders
     and inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) cannot serve the second. With a store, the
     first run's profile of each graph is written there and a later run uses it once every rank
-    has it: the same schedule, the same graphs, and inductor's cached code. Profiling still runs.
+    has it: the same schedule, the same graphs, and inductor's cached code; the graph is then not
+    profiled again (DeepCompile's profilers run every node 15 times).
     A stored profile describes the hardware it was measured on (the fingerprint names the device
     and group size); delete the directory to measure again.
 

@@ -22,9 +22,11 @@ profile's device times are 0 and a second run hits.
   scheduler then sees the figures of the first run and orders the graph the same way. The
   all-gather timings DeepCompile's prefetch pass fuses gathers by
   (``comm_profile.run_all_gather``, measured once per process) are kept and replayed the same
-  way, the benchmark then skipped on every rank. The graph profiling itself still runs (its
-  collectives are part of DeepCompile's protocol between ranks). Without a store directory
-  nothing changes. A stored profile is what the first run measured on this hardware; delete the
+  way, the benchmark then skipped on every rank. A graph whose stored profile every rank holds
+  is not profiled at all: its ranks agree on that before the profiler's first collective, and
+  the profiler's run (each node run 15 times, one or two collectives per node) is skipped, since
+  DeepSpeed uses only what a profile leaves in the graph's nodes, not the outputs of that run.
+  Without a store directory nothing changes. A stored profile is what the first run measured on this hardware; delete the
   directory to measure again.
 """
 
@@ -199,30 +201,36 @@ def _save(path: Path, record: Dict[str, Any]) -> None:
 def _with_store(kind: str, complete: Callable[[Any, Any], bool], capture: Callable[[Any], Dict[str, Any]],
                 replay: Callable[[Any, Dict[str, Any]], None],
                 store_dir: Callable[[], Optional[Path]] = profile_store) -> Callable[[Callable], Callable]:
-    """A wrapper of a profiler's ``run`` that records its profile in ``store_dir()``, or replays a
-    stored one (``store_dir()`` None: the profiler's own result)."""
+    """A wrapper of a profiler's ``run``: with ``store_dir()`` set, a graph whose profile every
+    rank of the profiler's group holds is not run at all (the stored figures go into its nodes'
+    meta); otherwise the profiler runs and its complete profile is recorded (``store_dir()``
+    None: the profiler's own run, nothing kept).
+
+    DeepSpeed's callers use what a profiler leaves in the graph's node meta (and a memory
+    profiler's ``mem_record`` and ``profile_complete``), never what ``run`` returns: the graph's
+    outputs, computed to be dropped. A skipped run returns None."""
 
     def make(run: Callable) -> Callable:
         def run_with_profile_store(self: Any, *args: Any) -> Any:
-            out = run(self, *args)
             store = store_dir()
             if store is None:
-                return out
+                return run(self, *args)
             rank, size = _group_info(self)
             key = graph_fingerprint(kind, self.graph, _context(size))
             path = store / f"{kind}-{key[:32]}-{_occurrence(key)}.rank{rank}.json"
-            ok = complete(self, out)
-            stored = _load(path, kind) if ok else None
+            stored = _load(path, kind)
             usable = stored is not None and _fits(self, stored)
-            # Every rank replays, or none does: a rank scheduling from other figures than its
-            # peers would issue its collectives in another order.
+            # Every rank skips, or none does: the profilers' collectives (one or two per node)
+            # must be reached by all ranks of the group or by none.
             if _all_ranks_agree(usable, size, getattr(self, "device", "cpu"),
                                 getattr(self, "process_group", None)):
                 replay(self, stored)
                 _count("replayed")
-                log.info("DeepCompile profile store: %s profile of a %d-node graph replayed from %s",
-                         kind, len(self.graph.nodes), path)
-            elif ok:
+                log.info("DeepCompile profile store: %s profile of a %d-node graph replayed from "
+                         "%s, the graph not run", kind, len(self.graph.nodes), path)
+                return None
+            out = run(self, *args)
+            if complete(self, out):
                 # Written anew where a file was there but not used: every rank's store then
                 # holds the profile of this one run.
                 _save(path, {"format": _FORMAT, "kind": kind, **capture(self)})
@@ -274,6 +282,7 @@ def _capture_memory(interp: Any) -> Dict[str, Any]:
 def _replay_memory(interp: Any, stored: Dict[str, Any]) -> None:
     _replay_nodes(interp, stored)
     interp.mem_record = [tuple(r) for r in stored.get("mem_record", [])]
+    interp.profile_complete = True  # only complete profiles are stored
 
 
 def _with_comm_store(run_all_gather: Callable,

@@ -28,8 +28,9 @@ whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
   param is gathered just before its first use (DeepSpeed prefetches up to 4e9 bytes ahead);
 * ``dc-upstream``: DeepCompile ZeRO-3 with DeepSpeed's own op (JIT-built), no checkpointing;
 * ``dc-ckpt-upstream``: ``dc-ckpt``'s setup (non-reentrant checkpointing) with DeepSpeed's own op
-  and without ds_z3native; run only when named (``--variants``, or the ``compile_scaling``
-  benchmark), not by a full ``lora_llama`` run;
+  and without ds_z3native; run only when named (``--variants``), not by a full ``lora_llama`` run.
+  DeepSpeed 0.19.8 alone fails on it at the first forward (``'weight' must be 2-D``: after a
+  graph break the embedding sees its partitioned weight), which the run records;
 * ``trainer-dc-ckpt``: ``dc-ckpt`` driven by HF ``transformers.Trainer`` as a Trainer user runs it
   (``TrainingArguments(deepspeed=<the same config>, torch_compile=True, gradient_checkpointing=True,
   gradient_checkpointing_kwargs={"use_reentrant": False})``; accelerate calls ``engine.compile()``),

@@ -409,6 +409,19 @@ def _params(n: Any) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.1f} M"
 
 
+def _scaling_checkpointing(result: Mapping[str, Any]) -> Tuple[str, str]:
+    """A ``compile_scaling`` result's checkpointing (ours, DeepSpeed's): one name for both in
+    older results, one each where DeepSpeed's baseline runs without it."""
+    ckpt = (result.get("setup") or {}).get("checkpointing", "?")
+    if isinstance(ckpt, Mapping):
+        return str(ckpt.get("ours", "?")), str(ckpt.get("deepspeed", "?"))
+    return str(ckpt), str(ckpt)
+
+
+def _ckpt_words(mode: str) -> str:
+    return "without checkpointing" if mode == "none" else f"{mode} checkpointing"
+
+
 def _compile_scaling(result: Mapping[str, Any]) -> List[str]:
     runs = result["runs"]
     s = result.get("setup") or {}
@@ -428,20 +441,24 @@ def _compile_scaling(result: Mapping[str, Any]) -> List[str]:
                      _scaling_ratio(cold, theirs), _scaling_ratio(warm, theirs),
                      " / ".join(_num(phases.get(key), "{:.0f}") for _, key in _PHASES)
                      if cold and run_ok(cold) else "-"])
+    ckpt_ours, ckpt_theirs = _scaling_checkpointing(result)
     shape = ", ".join(f"{label} {model[key]}" for label, key in (
         ("hidden", "hidden_size"), ("MLP", "intermediate_size"), ("heads", "num_attention_heads"),
         ("vocab", "vocab_size")) if key in model)
     title = ("**DeepCompile's time to a steady state against depth** (the "
              + ("1 B LoRA shape" if s.get("size") == "1b" else f"`{s.get('size', '?')}` shape")
              + (f", {shape}" if shape else "") + ", at each depth; `dc-ckpt`: DeepCompile, "
-             f"{s.get('checkpointing', '?')} checkpointing, LoRA r={model.get('lora_r', '?')}, "
+             f"{ckpt_ours} checkpointing, LoRA r={model.get('lora_r', '?')}, "
              f"micro-batch {s.get('micro_batch', '?')} x {s.get('seq', '?')} tokens, "
              f"{s.get('dtype', '?')}, one {s.get('device', '?')}; a cell: seconds from "
              f"`engine.compile()` to the end of step 1 / the re-plan step (step 6) alone / from "
              f"`engine.compile()` to the end of step {last}):")
     return [title, ""] + _table(
         ["layers", "params", "ds_z3native, cold", "ds_z3native, warm (cache and profile store "
-         "of the cold run)", "DeepSpeed's op, cold", f"ours cold / DeepSpeed's, to step {last}",
+         "of the cold run)",
+         "DeepSpeed alone, cold" + (f" ({_ckpt_words(ckpt_theirs)})" if ckpt_theirs != ckpt_ours
+                                    else ""),
+         f"ours cold / DeepSpeed's, to step {last}",
          f"ours warm / DeepSpeed's cold, to step {last}",
          "ours cold, torch compile_times to step " + str(last) + ": "
          + " / ".join(label for label, _ in _PHASES) + " (s)"], rows)
@@ -552,6 +569,32 @@ def _summary_lora(result: Mapping[str, Any]) -> List[List[str]]:
             f"{speedup:.2f}x faster" + (f", peak {peak:.2f}x" if isinstance(peak, (int, float))
                                         else ""),
             _measured(result, r, gpus=ws)])
+    rows += _summary_trainer(result, size)
+    return rows
+
+
+def _summary_trainer(result: Mapping[str, Any], size: str) -> List[List[str]]:
+    """A row per HF Trainer variant measured against our own loop's run of the same variant in
+    the same run (``vs["own_loop"]``)."""
+    rows = []
+    for key in _lora_keys(result["runs"]):
+        r = result["runs"][key]
+        own = (r.get("vs") or {}).get("own_loop") or {}
+        ratio = own.get("step_ratio")
+        if not run_ok(r) or not isinstance(ratio, (int, float)):
+            continue
+        variant = run_variant(key, r)
+        ws = (r.get("setup") or {}).get("world_size") or 1
+        ckpt = (r.get("setup") or {}).get("checkpointing", "-")
+        rows.append([
+            f"LoRA fine-tune step through HF Trainer, {size}{ws} GPU{'' if ws == 1 else 's'}, "
+            f"checkpointing: {ckpt}",
+            f"`{variant}` ({_LORA_WHAT.get(variant, '-')}): "
+            f"{_num(metric_value(r, 'step_ms'), '{:.1f}')} ms",
+            f"`{own.get('variant', '?')}` (our own loop): "
+            f"{_num(own.get('baseline_ms'), '{:.1f}')} ms",
+            f"{ratio:.2f}x the step time" + _other_gpu(own),
+            _measured(result, r, gpus=ws)])
     return rows
 
 
@@ -566,6 +609,7 @@ def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
     if not isinstance(ratio, (int, float)) or cold is None or theirs is None:
         return []
     warm_ratio = summary.get("warm_vs_deepspeed")
+    ckpt_ours, ckpt_theirs = _scaling_checkpointing(result)
     last = (result.get("setup") or {}).get("last_step", "?")
     wall = "wall_to_last_step_s"
     return [[f"DeepCompile, `engine.compile()` to the end of step {last}, {n} layers of the "
@@ -573,7 +617,8 @@ def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
              f"{_num(metric_value(cold, wall), '{:.0f}')} s cold"
              + (f", {_num(metric_value(warm, wall), '{:.0f}')} s warm"
                 if warm is not None and run_ok(warm) else ""),
-             f"{_num(metric_value(theirs, wall), '{:.0f}')} s (DeepSpeed's own op, cold)",
+             f"{_num(metric_value(theirs, wall), '{:.0f}')} s (DeepSpeed's own op, cold"
+             + (f", {_ckpt_words(ckpt_theirs)})" if ckpt_theirs != ckpt_ours else ")"),
              f"{ratio:.2f}x the time cold"
              + (f", {warm_ratio:.2f}x warm" if isinstance(warm_ratio, (int, float)) else ""),
              _measured(result, cold, gpus=1)]]

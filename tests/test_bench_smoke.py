@@ -438,9 +438,15 @@ def test_trainer_run_is_measured_against_our_loop_of_the_same_run(tmp_path: Path
     rows = {ln.split("|")[1].strip(): ln for ln in report._lora(merged) if ln.startswith("| ")}
     assert "step time 1.100x `dc-ckpt`'s of its run (140.0 ms)" in rows["trainer-dc-ckpt"]
     assert "9.00x vs `upstream`" in rows["dc-ckpt"]
+    # The README's summary has a row for the Trainer against our loop of its own run.
+    (row,) = [r for r in report._summary_lora(merged) if "HF Trainer" in r[0]]
+    assert row[1:4] == ["`trainer-dc-ckpt` (HF Trainer + DeepCompile + ds_z3native (`dc-ckpt` "
+                        "through `TrainingArguments`)): 154.0 ms",
+                        "`dc-ckpt` (our own loop): 140.0 ms", "1.10x the step time"]
     # A trainer run with no run of ours beside it gets no ratio (nothing to compare with).
     merged = merge([record("trainer-dc-ckpt", 150.0, "c")], out)
     assert "own_loop" not in (merged["runs"]["trainer-dc-ckpt@0.19.8"].get("vs") or {})
+    assert not [r for r in report._summary_lora(merged) if "HF Trainer" in r[0]]
     with pytest.raises(ValueError, match="pick dc-ckpt as well"):
         check_lora_variants(["trainer-dc-ckpt"])
     check_lora_variants(["trainer-dc-ckpt", "dc-ckpt"])
@@ -471,6 +477,8 @@ def test_a_ratio_between_runs_on_two_gpus_says_so(tmp_path: Path) -> None:
     rows = {ln.split("|")[1].strip(): ln for ln in report._lora(merged) if ln.startswith("| ")}
     assert "measured on another GPU" in rows["trainer-dc-ckpt"]
     assert "another GPU" not in rows["dc-ckpt"]
+    (row,) = [r for r in report._summary_lora(merged) if "HF Trainer" in r[0]]
+    assert row[3] == "1.10x the step time (measured on another GPU)"
 
 
 def test_two_gpu_lora_runs_get_their_own_result_and_table(tmp_path: Path) -> None:
@@ -868,7 +876,8 @@ def test_compile_scaling_gpu_plan_runs_each_depth_cold_warm_and_deepspeeds_op() 
     for x in runs:
         assert x["size"] == "1b" and x["steps"] == 20 and "DS_ACCELERATOR" not in x["env"]
         ours = x["output"].startswith("ours")
-        assert x["variant"] == ("dc-ckpt" if ours else "dc-ckpt-upstream")
+        # DeepSpeed alone fails on dc-ckpt's setup: its baseline runs without checkpointing.
+        assert x["variant"] == ("dc-ckpt" if ours else "dc-upstream")
         assert x["build_op_first"] is not ours  # DeepSpeed's JIT build stays out of its times
         assert (PROFILE_STORE_ENV in x["env"]) is ours
         assert x["env"].get("DS_Z3NATIVE") == (None if ours else "0")  # no zero-code install
@@ -989,6 +998,15 @@ def test_report_tables_compile_scaling_and_sums_it_up(tmp_path: Path) -> None:
     assert row == ("| DeepCompile, `engine.compile()` to the end of step 20, 16 layers of the 1 B "
                    "LoRA shape, checkpointing | 300 s cold, 240 s warm | 400 s (DeepSpeed's own "
                    "op, cold) | 0.75x the time cold, 0.60x warm | 2026-02-02, 1 x NVIDIA H200 |")
+    # DeepSpeed's baseline run without checkpointing (DeepSpeed alone fails with it): the
+    # table's column and the summary row say so.
+    result["setup"]["checkpointing"] = {"ours": "non-reentrant", "deepspeed": "none"}
+    (tmp_path / "compile_scaling.json").write_text(json.dumps(result))
+    results = report.load_results(tmp_path)
+    assert ("| DeepSpeed alone, cold (without checkpointing) |" in report.render_block(results)
+            and "`dc-ckpt`: DeepCompile, non-reentrant checkpointing," in report.render_block(results))
+    assert ("| 400 s (DeepSpeed's own op, cold, without checkpointing) |"
+            in report.render_summary(results))
     # Without DeepSpeed's cold run at the deepest depth there is nothing to sum up.
     result["runs"]["deepspeed-cold-16l"] = {"status": "not_available", "reason": "no CUDA",
                                             "ratio": None}
@@ -1165,7 +1183,7 @@ def test_compile_scaling_smoke_on_cpu(tmp_path: Path) -> None:
     else:  # DeepSpeed's op on the CPU: DeepSpeed says it has none; nothing to compare with
         assert theirs["status"] == "not_available", theirs
         assert "DeepSpeed has no DeepCompile op for its cpu accelerator" in theirs["reason"]
-        assert theirs["implementation"] == "deepspeed" and theirs["lora_variant"] == "dc-ckpt-upstream"
+        assert theirs["implementation"] == "deepspeed" and theirs["lora_variant"] == "dc-upstream"
         assert summary["cold_vs_deepspeed"] is None and summary["warm_vs_deepspeed"] is None
 
 

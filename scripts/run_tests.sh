@@ -3,9 +3,9 @@
 # pytest suite with the installed DeepSpeed, then the DeepSpeed-driving tests again on DeepSpeed
 # 0.19.2, then the release matrix: the tests marked release_matrix on every other supported
 # release (0.19.0, 0.19.1, 0.19.3 - 0.19.7). Each release is fetched once into .cache/ds-X with
-# pip --target (no deps; nothing else is installed). Last, the newest torch pip installs (in the
-# background from the start, while the suites run), in a
-# venv under .cache/newest-torch (DSZ_NEWEST_TORCH=off skips it).
+# pip --target (no deps; nothing else is installed). Last, the newest torch pip installs, in a
+# venv under .cache/newest-torch installed in the background from the start (DSZ_NEWEST_TORCH=off
+# skips it).
 # Needs: torch, DeepSpeed 0.19.x, `pip install --no-build-isolation -e ".[test]"`, libgtest-dev.
 #
 # The pytest suites run on one pytest-xdist worker per core (at most 4; a test file stays on one

@@ -4,8 +4,7 @@
 # 0.19.2, then the release matrix: the tests marked release_matrix on every other supported
 # release (0.19.0, 0.19.1, 0.19.3 - 0.19.7). Each release is fetched once into .cache/ds-X with
 # pip --target (no deps; nothing else is installed). Last, the newest torch pip installs, in a
-# venv under .cache/newest-torch installed in the background from the start (DSZ_NEWEST_TORCH=off
-# skips it).
+# venv under .cache/newest-torch (DSZ_NEWEST_TORCH=off skips it).
 # Needs: torch, DeepSpeed 0.19.x, `pip install --no-build-isolation -e ".[test]"`, libgtest-dev.
 #
 # The pytest suites run on one pytest-xdist worker per core (at most 4; a test file stays on one
@@ -61,23 +60,6 @@ if [ "${DSZ_MATRIX:-on}" != off ]; then
   mkdir -p .cache
   (for v in "${releases[@]}"; do fetch_deepspeed "$v" ".cache/ds-$v"; done) >.cache/fetch.log 2>&1 &
   fetching=$!
-fi
-
-# The newest torch's venv (last phase) is installed in the background too: pip's download and
-# unpacking of a few GB overlap the suites instead of running after them.
-newest=${DSZ_NEWEST_TORCH:-torch}
-if [ "$newest" != off ]; then
-  mkdir -p .cache
-  venv=$PWD/.cache/newest-torch
-  (
-    [ -x "$venv/bin/python" ] || python -m venv --system-site-packages "$venv"
-    # --system-site-packages shows the base interpreter's packages only: run from a virtualenv,
-    # this environment's packages (DeepSpeed, transformers, pytest...) live in its own
-    # site-packages, so a .pth adds those after the venv's own (its torch first).
-    python tests/helpers/venv_site.py "$venv/bin/python"
-    "$venv/bin/python" -m pip install -q --upgrade "$newest"
-  ) >.cache/newest-torch.log 2>&1 &
-  installing=$!
 fi
 
 echo "== native core: gtest via CMake + ctest"
@@ -163,18 +145,21 @@ if [ "${DSZ_MATRIX:-on}" != off ]; then
   echo "   (release matrix: $(( $(date +%s) - t1 )) s)"
 fi
 
-# The newest torch pip resolves (DSZ_NEWEST_TORCH: a pip requirement, default "torch", i.e. the
-# newest release; "off" skips), installed from the start (above): a venv that sees this
-# environment's packages with torch replaced, the extension built for it (CPU flavour) from a copy
-# of the tracked tree (the in-place build of the suites above stays as it is), then the native
-# ops, install gate, demo and DeepCompile on the CPU.
-if [ "$newest" != off ]; then
+# The newest torch pip installs here (DSZ_NEWEST_TORCH: a pip requirement, default "torch", i.e.
+# the newest release pip resolves; "off" skips): a venv that sees this environment's packages with
+# torch replaced, the extension built for it (CPU flavour) from a copy of the tracked tree (the
+# in-place build of the suites above stays as it is), then the native ops, install gate, demo and
+# DeepCompile on the CPU.
+if [ "${DSZ_NEWEST_TORCH:-torch}" != off ]; then
   t2=$(date +%s)
-  echo "== newest torch: pip install --upgrade '$newest' in .cache/newest-torch (since the start)"
-  rc=0
-  wait "$installing" || rc=$?
-  cat .cache/newest-torch.log
-  [ "$rc" = 0 ] || exit 1
+  venv=$PWD/.cache/newest-torch
+  echo "== newest torch: pip install --upgrade '${DSZ_NEWEST_TORCH:-torch}' in .cache/newest-torch"
+  [ -x "$venv/bin/python" ] || python -m venv --system-site-packages "$venv"
+  # --system-site-packages shows the base interpreter's packages only: run from a virtualenv, this
+  # environment's packages (DeepSpeed, transformers, pytest...) live in its own site-packages, so
+  # a .pth adds those after the venv's own (its torch first).
+  python tests/helpers/venv_site.py "$venv/bin/python"
+  "$venv/bin/python" -m pip install -q --upgrade "${DSZ_NEWEST_TORCH:-torch}"
   rm -rf "$venv/src" && mkdir -p "$venv/src"
   git ls-files -z | xargs -0 tar cf - | tar xf - -C "$venv/src"
   (cd "$venv/src" && DS_Z3NATIVE_CUDA=0 "$venv/bin/python" -m pip install -q --no-build-isolation \

@@ -13,8 +13,8 @@ non-reentrant checkpointing, LoRA r=16 on every linear layer) runs, one process 
   checkpointing DeepSpeed alone does not run this model (``dc-ckpt-upstream`` fails at its first
   forward on DeepSpeed 0.19.8: ``'weight' must be 2-D``), so its nearest setup that runs is the
   baseline; a graph without recomputation is smaller, so the ratios lean in DeepSpeed's favour.
-  Its op is loaded (JIT-built the first time) before the clock starts, so no run's compile time holds the build (``deepcompile_first_step`` measures
-  it). Where DeepSpeed has no op for the accelerator (its CPU accelerator), the first such run
+  Its op is loaded (JIT-built the first time) before the clock starts, so no run's compile time
+  holds the build (``deepcompile_first_step`` measures it). Where DeepSpeed has no op for the accelerator (its CPU accelerator), the first such run
   says so and the others are recorded as not available with the same reason, without running.
   DeepSpeed's own warm run is not in the plan: it would cost about another cold run per depth.
 

@@ -26,8 +26,8 @@ profile's device times are 0 and a second run hits.
   is not profiled at all: its ranks agree on that before the profiler's first collective, and
   the profiler's run (each node run 15 times, one or two collectives per node) is skipped, since
   DeepSpeed uses only what a profile leaves in the graph's nodes, not the outputs of that run.
-  Without a store directory nothing changes. A stored profile is what the first run measured on this hardware; delete the
-  directory to measure again.
+  Without a store directory nothing changes. A stored profile is what the first run measured on
+  this hardware; delete the directory to measure again.
 """
 
 from __future__ import annotations

@@ -423,3 +423,82 @@ def test_patch_wraps_deepspeeds_patch_compiler_and_undoes() -> None:
     finally:
         undo()
     assert inductor.patch_compiler is original
+
+
+# -- deepcompile-cache-checkpoint-rng -------------------------------------------------------------
+
+def _rng_node() -> fx.Node:
+    """A call of graphsafe_run_with_rng_state as AOTAutograd writes it into a checkpointed graph."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    node = g.call_function(gid.checkpoint_rng_op(), (torch.ops.aten.relu.default, x))
+    g.output(node)
+    return node
+
+
+@pytest.fixture
+def torch_without_the_declaration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This torch as a release that does not declare the op cacheable (torch 2.11)."""
+    op = gid.checkpoint_rng_op()
+    assert op is not None, "this torch has no graphsafe_run_with_rng_state"
+    monkeypatch.setattr(op, "_cacheable", False)
+    monkeypatch.setattr(torch._inductor.config, "unsafe_marked_cacheable_functions", {})
+
+
+def test_checkpoint_rng_graphs_are_refused_by_aotautograds_cache_without_the_patch(
+        torch_without_the_declaration: None) -> None:
+    from torch._functorch._aot_autograd.autograd_cache import (BypassAOTAutogradCache,
+                                                               check_node_safe)
+
+    with pytest.raises(BypassAOTAutogradCache):
+        check_node_safe(_rng_node())
+
+
+def test_the_patch_makes_checkpoint_rng_graphs_cacheable_and_undoes(
+        torch_without_the_declaration: None) -> None:
+    from torch._functorch._aot_autograd.autograd_cache import check_node_safe
+
+    import ds_z3native
+
+    config = torch._inductor.config
+    op = gid.checkpoint_rng_op()
+    config.unsafe_marked_cacheable_functions = {"torch.ops.user_op": "user-key"}
+    undo = gid.mark_checkpoint_rng_cacheable()
+    try:
+        assert op.cacheable()
+        check_node_safe(_rng_node())  # raises BypassAOTAutogradCache where refused
+        table = config.unsafe_marked_cacheable_functions
+        key = table[f"{op.__module__}.{op.__name__}"]
+        # the value is part of inductor's cache key: an upgrade of either side misses
+        assert ds_z3native.__version__ in key and torch.__version__ in key
+        assert table["torch.ops.user_op"] == "user-key"
+    finally:
+        undo()
+    assert config.unsafe_marked_cacheable_functions == {"torch.ops.user_op": "user-key"}
+    assert not op.cacheable()
+
+
+def test_a_torch_that_declares_the_op_cacheable_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    op = gid.checkpoint_rng_op()
+    monkeypatch.setattr(op, "_cacheable", True)
+    config = torch._inductor.config
+    before = dict(config.unsafe_marked_cacheable_functions)
+    undo = gid.mark_checkpoint_rng_cacheable()
+    assert config.unsafe_marked_cacheable_functions == before
+    undo()
+    assert config.unsafe_marked_cacheable_functions == before
+
+
+def test_install_marks_the_op_on_a_torch_that_does_not_declare_it(
+        torch_without_the_declaration: None) -> None:
+    names = [p.name for p in gid.PATCHES]
+    assert "deepcompile-cache-checkpoint-rng" in names
+    patch = gid.PATCHES[names.index("deepcompile-cache-checkpoint-rng")]
+    assert patch.targets(ds_z3native.compat.Version("0.19.8"))
+    assert patch.wraps == ("torch._inductor.config:unsafe_marked_cacheable_functions",)
+    undo = patch.apply()
+    try:
+        assert gid.checkpoint_rng_op().cacheable()
+    finally:
+        undo()
+    assert not gid.checkpoint_rng_op().cacheable()

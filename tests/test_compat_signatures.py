@@ -69,6 +69,7 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
     "deepcompile-canonical-graph-ids": [
         ("deepspeed.compile.inductor", "patch_compiler",
          ("original_compiler", "dc_compiler", "z3_partition", "graph_id"))],
+    "deepcompile-cache-checkpoint-rng": [],  # a torch config table: see tests/test_compat_graph_ids.py
     "deepcompile-profile-store": [
         ("deepspeed.compile.profilers.graph_profile", "ProfilingInterpreter.run", ("self",)),
         ("deepspeed.compile.profilers.graph_profile", "MemoryProfilingInterpreter.run", ("self",)),

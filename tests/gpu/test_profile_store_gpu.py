@@ -5,7 +5,11 @@ Without the store a second run on the GPU missed inductor's FX-graph cache on ev
 DeepSpeed orders each graph's all-gathers by the device times it profiles and fuses prefetches
 by a timed all-gather benchmark, noisy from run to run, so the graphs inductor receives come in
 another order each run. With the store the second run replays the first run's profiles and
-timings, schedules the same graphs and finds them all in the cache; it trains the same.
+timings, schedules the same graphs and finds them all in the cache; it trains the same
+(bit-identical without checkpointing). With non-reentrant checkpointing too: torch 2.11 does not
+declare the op that replays a recomputed kernel's random state cacheable, and the
+``deepcompile-cache-checkpoint-rng`` patch does; those runs are compared within the spread of two
+cold runs (see CKPT_LOSS_RTOL).
 
     python -m pytest -m gpu tests/gpu/test_profile_store_gpu.py -q -s
 """
@@ -25,6 +29,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.deepspeed]
 ARGS = ("--model", "llama", "--native", "ours", "--size", "small", "--dtype", "bf16", "--mode",
         "deepcompile")
 STEPS = 8  # past DeepCompile's step-6 re-plan, whose graphs are profiled and cached too
+# With non-reentrant checkpointing two runs of this job on the H200 differ from step 2 on, cold
+# or warm, without any cache (the recomputing backward is not bit-reproducible here): three runs'
+# step-2 losses were 7.575567, 7.575408 and 7.575229 (4.5e-5 relative apart), their step 1 equal.
+# A graph served for another program would be off by orders of magnitude more.
+CKPT_LOSS_RTOL = 1e-3
+CKPT_PARAM_SHARE = 0.05  # mean |difference| of the LoRA params over their mean |change| (lora_B)
 
 
 def _ok(r: Dict[str, Any]) -> Dict[str, Any]:
@@ -33,12 +43,16 @@ def _ok(r: Dict[str, Any]) -> Dict[str, Any]:
     return r
 
 
-def test_a_second_run_replays_the_profiles_and_is_served_by_inductors_cache(tmp_path: Path) -> None:
+@pytest.mark.parametrize("checkpointing", [(), ("--checkpointing", "non-reentrant")],
+                         ids=["plain", "checkpointed"])
+def test_a_second_run_replays_the_profiles_and_is_served_by_inductors_cache(
+        tmp_path: Path, checkpointing: tuple) -> None:
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
            PROFILE_STORE_ENV: str(tmp_path / "profiles")}
-    cold = _ok(run_alone("cold", ARGS, STEPS, env=env))
-    warm = _ok(run_alone("warm", ARGS, STEPS, env=env))
-    print(f"\n[profile store] cold {cold['profile_store']} {cold['compile_caches']}, compile to the end "
+    args = (*ARGS, *checkpointing)
+    cold = _ok(run_alone("cold", args, STEPS, env=env))
+    warm = _ok(run_alone("warm", args, STEPS, env=env))
+    print(f"\n[profile store{' + checkpointing' if checkpointing else ''}] cold {cold['profile_store']} {cold['compile_caches']}, compile to the end "
           f"of step 1 {cold['compile_to_first_step_end_s']:.1f} s, re-plan {cold['step_s'][5]:.1f} s; "
           f"warm {warm['profile_store']} {warm['compile_caches']}, "
           f"{warm['compile_to_first_step_end_s']:.1f} s, {warm['step_s'][5]:.1f} s")
@@ -47,5 +61,20 @@ def test_a_second_run_replays_the_profiles_and_is_served_by_inductors_cache(tmp_
     compiled = sum(cold["compile_caches"].values())
     assert compiled > 0 and cold["compile_cache_bypasses"] == []
     assert warm["compile_caches"] == {"fxgraph_cache_hit": compiled}
-    assert warm["losses"] == cold["losses"]
-    assert warm["params"] == cold["params"]
+    if not checkpointing:
+        assert warm["losses"] == cold["losses"]
+        assert warm["params"] == cold["params"]
+        return
+    _close_runs(warm, cold)
+
+
+def _close_runs(warm: Dict[str, Any], cold: Dict[str, Any]) -> None:
+    import torch
+
+    assert warm["losses"][0] == cold["losses"][0]  # the same compiled forward on the same batch
+    w, c = torch.tensor(warm["losses"]), torch.tensor(cold["losses"])
+    assert float(((w - c).abs() / c.abs()).max()) <= CKPT_LOSS_RTOL, (warm["losses"], cold["losses"])
+    a = torch.cat([torch.tensor(v) for v in warm["params"].values()])
+    b = torch.cat([torch.tensor(cold["params"][n]) for n in warm["params"]])
+    moved = torch.cat([torch.tensor(v) for n, v in cold["params"].items() if "lora_B" in n])
+    assert float((a - b).abs().mean()) <= CKPT_PARAM_SHARE * float(moved.abs().mean())

@@ -23,6 +23,15 @@ everything; only kernel-level caches help.
   not cover, so an upgrade or a rebuild never reuses code compiled for another. Where inductor
   declines to cache such a graph at all (its FX-graph cache "bypass"), the reason inductor gives
   is logged at INFO under this module's logger and kept: :func:`cache_bypasses`.
+* :data:`DEEPCOMPILE_CACHE_CHECKPOINT_RNG` (every release): under non-reentrant activation
+  checkpointing on CUDA, AOTAutograd wraps each recomputed random kernel (SDPA, dropout) in the
+  higher-order op ``graphsafe_run_with_rng_state``, and torch releases that do not declare that op
+  cacheable (2.11 does not; later releases do) make inductor and AOTAutograd skip their caches for
+  every such graph: a restarted checkpointed job recompiled them all. Where the running torch
+  does not declare it, the op is named in torch's own
+  ``torch._inductor.config.unsafe_marked_cacheable_functions`` with a value naming ds_z3native's
+  and torch's versions (part of the cache key). The op's compiled code depends on nothing but the
+  graph: the random state it replays is a runtime input. Where torch declares it, nothing changes.
 """
 
 from __future__ import annotations
@@ -40,10 +49,10 @@ from ..dc_ops import DC_OPS
 from . import Patch, Undo
 from ._rebind import when_module_imported, wrap_function
 
-__all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "canonical_graph_id", "uses_graph_id",
+__all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "checkpoint_rng_op", "mark_checkpoint_rng_cacheable", "canonical_graph_id", "uses_graph_id",
            "canonicalize_graph_ids", "cache_key_tag", "CacheBypassLog", "cache_bypasses",
            "patch_canonical_graph_ids",
-           "DEEPCOMPILE_CANONICAL_GRAPH_IDS", "PATCHES"]
+           "DEEPCOMPILE_CANONICAL_GRAPH_IDS", "DEEPCOMPILE_CACHE_CHECKPOINT_RNG", "PATCHES"]
 
 log = logging.getLogger(__name__)
 
@@ -285,4 +294,61 @@ DEEPCOMPILE_CANONICAL_GRAPH_IDS = Patch(
     ),
 )
 
-PATCHES = [DEEPCOMPILE_CANONICAL_GRAPH_IDS]
+def checkpoint_rng_op() -> Any:
+    """torch's ``graphsafe_run_with_rng_state`` higher-order op, or None where this torch has
+    none (or one without ``cacheable()``)."""
+    try:
+        from torch._prims import rng_prims
+    except ImportError:
+        return None
+    op = getattr(rng_prims, "graphsafe_run_with_rng_state", None)
+    return op if callable(getattr(op, "cacheable", None)) else None
+
+
+def _cacheable_name(op: Any) -> str:
+    # The name torch looks up in unsafe_marked_cacheable_functions (HigherOrderOperator.cacheable).
+    return f"{op.__module__}.{op.__name__}"
+
+
+def mark_checkpoint_rng_cacheable() -> Undo:
+    """Name ``graphsafe_run_with_rng_state`` in ``unsafe_marked_cacheable_functions`` where this
+    torch does not declare it cacheable; the undo restores the previous table. A no-op where
+    torch declares it (or has no such op)."""
+    import torch
+
+    from .._version import __version__
+
+    op = checkpoint_rng_op()
+    if op is None:
+        log.debug("this torch has no graphsafe_run_with_rng_state: nothing to mark cacheable")
+        return lambda: None
+    if op.cacheable():
+        log.debug("torch %s declares %s cacheable", torch.__version__, _cacheable_name(op))
+        return lambda: None
+    config = torch._inductor.config
+    before = dict(config.unsafe_marked_cacheable_functions)
+    name = _cacheable_name(op)
+    config.unsafe_marked_cacheable_functions = {
+        **before, name: f"ds_z3native-{__version__}+torch-{torch.__version__}"}
+    log.debug("marked %s cacheable for inductor's and AOTAutograd's caches", name)
+
+    def undo() -> None:
+        config.unsafe_marked_cacheable_functions = before
+
+    return undo
+
+
+DEEPCOMPILE_CACHE_CHECKPOINT_RNG = Patch(
+    name="deepcompile-cache-checkpoint-rng",
+    summary="inductor's and AOTAutograd's caches keep checkpointed graphs whose recomputed random "
+            "kernels torch wraps in graphsafe_run_with_rng_state (torch releases that do not "
+            "declare that op cacheable)",
+    apply=mark_checkpoint_rng_cacheable,
+    first=Version("0.19.0"),
+    last=None,
+    # one entry is added to this table (and removed by the undo); torch reads it in
+    # HigherOrderOperator.cacheable() and AOTAutograd's cache check
+    wraps=("torch._inductor.config:unsafe_marked_cacheable_functions",),
+)
+
+PATCHES = [DEEPCOMPILE_CANONICAL_GRAPH_IDS, DEEPCOMPILE_CACHE_CHECKPOINT_RNG]

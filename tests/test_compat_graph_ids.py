@@ -18,6 +18,7 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 import pytest
 import torch
 import torch.fx as fx
+from packaging.version import Version
 
 import ds_z3native
 from ds_z3native.compat import deepcompile_graph_ids as gid
@@ -458,8 +459,6 @@ def test_the_patch_makes_checkpoint_rng_graphs_cacheable_and_undoes(
         torch_without_the_declaration: None) -> None:
     from torch._functorch._aot_autograd.autograd_cache import check_node_safe
 
-    import ds_z3native
-
     config = torch._inductor.config
     op = gid.checkpoint_rng_op()
     config.unsafe_marked_cacheable_functions = {"torch.ops.user_op": "user-key"}
@@ -472,13 +471,17 @@ def test_the_patch_makes_checkpoint_rng_graphs_cacheable_and_undoes(
         # the value is part of inductor's cache key: an upgrade of either side misses
         assert ds_z3native.__version__ in key and torch.__version__ in key
         assert table["torch.ops.user_op"] == "user-key"
+        config.unsafe_marked_cacheable_functions = {**table, "torch.ops.later_op": "later-key"}
     finally:
         undo()
-    assert config.unsafe_marked_cacheable_functions == {"torch.ops.user_op": "user-key"}
+    # the undo takes back its own entry only: one added meanwhile stays
+    assert config.unsafe_marked_cacheable_functions == {"torch.ops.user_op": "user-key",
+                                                        "torch.ops.later_op": "later-key"}
     assert not op.cacheable()
 
 
-def test_a_torch_that_declares_the_op_cacheable_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_torch_that_declares_the_op_cacheable_is_left_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     op = gid.checkpoint_rng_op()
     monkeypatch.setattr(op, "_cacheable", True)
     config = torch._inductor.config
@@ -494,7 +497,7 @@ def test_install_marks_the_op_on_a_torch_that_does_not_declare_it(
     names = [p.name for p in gid.PATCHES]
     assert "deepcompile-cache-checkpoint-rng" in names
     patch = gid.PATCHES[names.index("deepcompile-cache-checkpoint-rng")]
-    assert patch.targets(ds_z3native.compat.Version("0.19.8"))
+    assert patch.targets(Version("0.19.8"))
     assert patch.wraps == ("torch._inductor.config:unsafe_marked_cacheable_functions",)
     undo = patch.apply()
     try:

@@ -52,7 +52,8 @@ def test_a_second_run_replays_the_profiles_and_is_served_by_inductors_cache(
     args = (*ARGS, *checkpointing)
     cold = _ok(run_alone("cold", args, STEPS, env=env))
     warm = _ok(run_alone("warm", args, STEPS, env=env))
-    print(f"\n[profile store{' + checkpointing' if checkpointing else ''}] cold {cold['profile_store']} {cold['compile_caches']}, compile to the end "
+    label = "profile store + checkpointing" if checkpointing else "profile store"
+    print(f"\n[{label}] cold {cold['profile_store']} {cold['compile_caches']}, compile to the end "
           f"of step 1 {cold['compile_to_first_step_end_s']:.1f} s, re-plan {cold['step_s'][5]:.1f} s; "
           f"warm {warm['profile_store']} {warm['compile_caches']}, "
           f"{warm['compile_to_first_step_end_s']:.1f} s, {warm['step_s'][5]:.1f} s")
@@ -73,7 +74,8 @@ def _close_runs(warm: Dict[str, Any], cold: Dict[str, Any]) -> None:
 
     assert warm["losses"][0] == cold["losses"][0]  # the same compiled forward on the same batch
     w, c = torch.tensor(warm["losses"]), torch.tensor(cold["losses"])
-    assert float(((w - c).abs() / c.abs()).max()) <= CKPT_LOSS_RTOL, (warm["losses"], cold["losses"])
+    worst = float(((w - c).abs() / c.abs()).max())
+    assert worst <= CKPT_LOSS_RTOL, (warm["losses"], cold["losses"])
     a = torch.cat([torch.tensor(v) for v in warm["params"].values()])
     b = torch.cat([torch.tensor(cold["params"][n]) for n in warm["params"]])
     moved = torch.cat([torch.tensor(v) for n, v in cold["params"].items() if "lora_B" in n])

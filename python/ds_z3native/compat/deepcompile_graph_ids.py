@@ -49,9 +49,9 @@ from ..dc_ops import DC_OPS
 from . import Patch, Undo
 from ._rebind import when_module_imported, wrap_function
 
-__all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "checkpoint_rng_op", "mark_checkpoint_rng_cacheable", "canonical_graph_id", "uses_graph_id",
-           "canonicalize_graph_ids", "cache_key_tag", "CacheBypassLog", "cache_bypasses",
-           "patch_canonical_graph_ids",
+__all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "checkpoint_rng_op", "mark_checkpoint_rng_cacheable",
+           "canonical_graph_id", "uses_graph_id", "canonicalize_graph_ids", "cache_key_tag",
+           "CacheBypassLog", "cache_bypasses", "patch_canonical_graph_ids",
            "DEEPCOMPILE_CANONICAL_GRAPH_IDS", "DEEPCOMPILE_CACHE_CHECKPOINT_RNG", "PATCHES"]
 
 log = logging.getLogger(__name__)
@@ -326,14 +326,25 @@ def mark_checkpoint_rng_cacheable() -> Undo:
         log.debug("torch %s declares %s cacheable", torch.__version__, _cacheable_name(op))
         return lambda: None
     config = torch._inductor.config
-    before = dict(config.unsafe_marked_cacheable_functions)
     name = _cacheable_name(op)
-    config.unsafe_marked_cacheable_functions = {
-        **before, name: f"ds_z3native-{__version__}+torch-{torch.__version__}"}
+    value = f"ds_z3native-{__version__}+torch-{torch.__version__}"
+    had = name in config.unsafe_marked_cacheable_functions
+    previous = config.unsafe_marked_cacheable_functions.get(name)
+    # a new table, not an edit of torch's default one
+    config.unsafe_marked_cacheable_functions = {**config.unsafe_marked_cacheable_functions,
+                                                name: value}
     log.debug("marked %s cacheable for inductor's and AOTAutograd's caches", name)
 
     def undo() -> None:
-        config.unsafe_marked_cacheable_functions = before
+        # only our entry: what others added to the table meanwhile stays
+        table = dict(config.unsafe_marked_cacheable_functions)
+        if table.get(name) != value:
+            return
+        if had:
+            table[name] = previous
+        else:
+            del table[name]
+        config.unsafe_marked_cacheable_functions = table
 
     return undo
 

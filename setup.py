@@ -177,7 +177,8 @@ def extension():
         glob.glob(os.path.join("csrc", "core", "*.cpp"))
         + ["csrc/comm/c10d_collectives.cpp", "csrc/device/host_device.cpp", "csrc/runtime.cpp",
            "csrc/backends.cpp", "csrc/bindings.cpp", "csrc/ops/schema.cpp", "csrc/ops/kernels.cpp",
-           "csrc/ops/register_cpu.cpp", "csrc/ops/register_meta.cpp"])
+           "csrc/ops/register_cpu.cpp", "csrc/ops/register_meta.cpp",
+           "csrc/ops/group_ops.cpp"])
     arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if cuda else ""
     # Macro values travel unquoted through ninja's command lines: no spaces in them.
     macros = [

@@ -294,6 +294,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         if args.no_deepspeed_fallback:
             _disable_deepspeed_eager_fallback()
         result["install"] = ds_z3native.install().__dict__
+        if args.no_group_persistent:
+            ds_z3native.set_group_persistent(False)
     bf16 = args.dtype == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     deepcompile = args.mode == "deepcompile"
@@ -328,11 +330,19 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     t_compile = time.perf_counter()
     if deepcompile:
         engine.compile()
+    if args.persist_all:
+        # After install(), which checks that DeepSpeed's pass is its own, and after compile(),
+        # whose pass schedule keeps DeepSpeed's pass.
+        _persist_all_when_chosen_early()
     step_times: List[float] = []
     for step in range(args.steps):
         if args.unfreeze_after is not None and step == args.unfreeze_after:
             engine.module.frozen.requires_grad_(True)
             result["unfrozen_at_step"] = step
+        profiler = None
+        if args.count_ops and step == args.steps - 1:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
         t0 = time.perf_counter()
         if llama:
             (ids,) = _llama_batch(args.size, step, args.seed, device)
@@ -349,6 +359,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
                     engine(*_batch(step + 10**6, args.seed, dtype, device))
         engine.backward(loss)
         engine.step()
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            result["op_calls_last_step"] = _op_calls(profiler)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             result["eval_losses"].append(_evaluate(engine, args, llama, dtype, device, step))
         if not cpu:
@@ -376,6 +389,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         from ds_z3native.compat.deepcompile_profile_store import store_stats
 
         result["profile_store"] = store_stats()
+        from ds_z3native.compat.deepcompile_persistent import group_stats
+
+        result["persistent_group"] = group_stats()
 
         gather = eager_gather_of(engine)
         result["eager_gather"] = None if gather is None else {
@@ -389,6 +405,35 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=gathered):
             result["params"] = {n: p.detach().float().cpu().flatten().tolist() for n, p in params}
     result["requires_grad"] = {n: p.requires_grad for n, p in engine.module.named_parameters()}
+
+
+def _persist_all_when_chosen_early() -> None:
+    """Stand in for DeepCompile's persistence policy where it cannot run (on a CPU its memory
+    profiles are incomplete and ``selective_gather`` keeps nothing): the re-plan's early choice
+    (patch deepcompile-persistent-group) keeps every parameter gathered, as an H200 does for a
+    small model. DeepSpeed's own pass in the schedule is left as it is."""
+    from deepspeed.compile.passes import selective_gather as module
+    from deepspeed.compile.util import get_deepcompile_handle
+
+    def selective_gather(gm: Any, graph_id: int, graph_order: Any, profiling_results: Any,
+                         create_inputs_fn: Any, mem_budget: Any, param_manager: Any,
+                         bwd: bool) -> Any:
+        handle = get_deepcompile_handle()
+        for manager in param_manager.values():
+            for name in manager.params:
+                handle.set_persistent(manager.ds_ids[name])
+        return gm
+
+    module.selective_gather = selective_gather
+
+
+def _op_calls(profiler: Any) -> Dict[str, int]:
+    """Calls of the dc and ds_z3native ops in a profiled step, by op."""
+    calls: Dict[str, int] = {}
+    for event in profiler.events():
+        if event.name.startswith(("dc::", "ds_z3native::")):
+            calls[event.name] = calls.get(event.name, 0) + 1
+    return dict(sorted(calls.items()))
 
 
 def _disable_deepspeed_eager_fallback() -> None:
@@ -424,6 +469,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "two forwards under no_grad, model.train()")
     parser.add_argument("--no-deepspeed-fallback", action="store_true",
                         help="turn DeepSpeed 0.19.8's own eager fallback off")
+    parser.add_argument("--persist-all", action="store_true",
+                        help="with ds_z3native: the re-plan's early persistence choice keeps every "
+                             "param gathered (DeepCompile's own policy keeps none on a CPU)")
+    parser.add_argument("--no-group-persistent", action="store_true",
+                        help="with ds_z3native: ds_z3native.set_group_persistent(False)")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="profile the last step and record its dc / ds_z3native op calls")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)

@@ -26,6 +26,9 @@ whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
   non-persistent, norm weights included);
 * ``dc-ckpt-lean``: ``dc-ckpt-lowmem`` with ``ds_z3native.set_prefetch_budget(0)`` as well: each
   param is gathered just before its first use (DeepSpeed prefetches up to 4e9 bytes ahead);
+* ``dc-ckpt-ungrouped``: ``dc-ckpt`` with ``ds_z3native.set_group_persistent(False)``: the
+  params DeepCompile keeps gathered are reached as DeepSpeed's graphs do, an ``allgather_param``,
+  ``wait_allgather`` and ``release_param`` call per use (run only when named);
 * ``dc-upstream``: DeepCompile ZeRO-3 with DeepSpeed's own op (JIT-built), no checkpointing;
 * ``dc-ckpt-upstream``: ``dc-ckpt``'s setup (non-reentrant checkpointing) with DeepSpeed's own op
   and without ds_z3native; run only when named (``--variants``), not by a full ``lora_llama`` run.
@@ -111,21 +114,22 @@ log = logging.getLogger("bench.lora_llama")
 
 VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-warm", "dc-ckpt",
             "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream", "trainer-dc-ckpt",
-            "dc-ckpt-upstream")
+            "dc-ckpt-upstream", "dc-ckpt-ungrouped")
 CHECKPOINTING = {"plain": "none", "none": "none", "upstream": "non-reentrant",
                  "ours": "non-reentrant", "reentrant": "reentrant", "dc": "none", "dc-warm": "none",
                  "dc-ckpt": "non-reentrant", "dc-ckpt-lowmem": "non-reentrant",
                  "dc-ckpt-lean": "non-reentrant",
                  "dc-upstream": "none", "trainer-dc-ckpt": "non-reentrant",
-                 "dc-ckpt-upstream": "non-reentrant"}
+                 "dc-ckpt-upstream": "non-reentrant", "dc-ckpt-ungrouped": "non-reentrant"}
 DEEPCOMPILE = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream",
-               "trainer-dc-ckpt", "dc-ckpt-upstream")
+               "trainer-dc-ckpt", "dc-ckpt-upstream", "dc-ckpt-ungrouped")
 # DeepCompile with DeepSpeed's own op (no ds_z3native).
 UPSTREAM_DC = ("dc-upstream", "dc-ckpt-upstream")
 # Variants a full lora_llama run leaves out: they run when named (``--variants``) or by another
 # benchmark (``compile_scaling``).
-OPT_IN = ("dc-ckpt-upstream",)
-OURS_DC = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "trainer-dc-ckpt")
+OPT_IN = ("dc-ckpt-upstream", "dc-ckpt-ungrouped")
+OURS_DC = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "trainer-dc-ckpt",
+           "dc-ckpt-ungrouped")
 # Variants HF Trainer drives (it enables checkpointing itself, from its arguments), each with the
 # variant of our own loop it repeats: merge gives it the ratio of its step time to that one's.
 TRAINER = {"trainer-dc-ckpt": "dc-ckpt"}
@@ -734,6 +738,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             ds_z3native.set_persistence_budget(0)
         if variant == "dc-ckpt-lean":
             ds_z3native.set_prefetch_budget(0)
+        if variant == "dc-ckpt-ungrouped":
+            ds_z3native.set_group_persistent(False)
     import deepspeed
 
     if on_gpu:
@@ -802,6 +808,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "checkpointing": CHECKPOINTING[variant], "deepcompile": deepcompile,
         "persistence_budget_mb": 0 if variant in ("dc-ckpt-lowmem", "dc-ckpt-lean") else None,
         "prefetch_budget_mb": 0 if variant == "dc-ckpt-lean" else None,
+        "group_persistent": variant != "dc-ckpt-ungrouped" if variant in OURS_DC else None,
         "zero": None if variant == "plain" else 3,
         "deepspeed_config": None if variant == "plain" else config,
         "loop": "transformers.Trainer" if variant in TRAINER else "own",
@@ -861,6 +868,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
             # Profiles kept for a later run (dc) and replayed from it (dc-warm).
             record["profile_store"] = store_stats()
+            from ds_z3native.compat.deepcompile_persistent import group_stats
+
+            # Re-plans whose kept-gathered params were chosen early and grouped.
+            record["persistent_group"] = group_stats()
             record["persistence"] = dict(ds_z3native.native().persistence_info())
             # Reduce-bucket memory at its most (bytes): sized to the trainable gradients.
             record["reduce_bucket_bytes"] = int(

@@ -42,7 +42,7 @@ SUMMARY_BEGIN = "<!-- bench-summary:begin -->"
 SUMMARY_END = "<!-- bench-summary:end -->"
 TABLES = ROOT / "docs" / "benchmarks.md"
 ORDER = ("deepcompile_first_step", "native_micro", "lora_llama", "lora_llama_ws2",
-         "compile_scaling")
+         "persistent_group", "compile_scaling")
 # Ratio baselines of results written without one (e.g. lora_llama.py's merge output).
 BASELINES: Dict[str, Tuple[Tuple[str, ...], bool]] = {
     "deepcompile_first_step": (("deepspeed-jit",), True),
@@ -464,9 +464,70 @@ def _compile_scaling(result: Mapping[str, Any]) -> List[str]:
          + " / ".join(label for label, _ in _PHASES) + " (s)"], rows)
 
 
+def _group_rows(result: Mapping[str, Any]) -> List[Tuple[str, Mapping[str, Any]]]:
+    """persistent_group's runs, ungrouped first: (variant, record)."""
+    runs = result["runs"]
+    keys = sorted(runs, key=lambda k: (run_variant(k, runs[k]) != "dc-ckpt-ungrouped", k))
+    return [(run_variant(k, runs[k]), runs[k]) for k in keys]
+
+
+def _persistent_group(result: Mapping[str, Any]) -> List[str]:
+    """Params kept gathered reached by one call per graph (``dc-ckpt``) against DeepSpeed's three
+    calls per use (``dc-ckpt-ungrouped``), the same run."""
+    rows = []
+    s = result.get("setup") or {}
+    for variant, r in _group_rows(result):
+        if not run_ok(r):
+            rows.append([variant, _error(r)] + ["-"] * 7)
+            continue
+        vs = (r.get("vs") or {}).get("ungrouped") or {}
+        host = r.get("host_ms") or {}
+        split = (r.get("trace") or {}).get("breakdown") or {}
+        calls = split.get("dc_calls") or {}
+        rows.append([
+            variant, "one call per graph" if (r.get("setup") or {}).get("group_persistent")
+            else "DeepSpeed's: three per use",
+            _spread(r.get("step_ms"), "{:.1f}"),
+            _num(vs.get("step_ratio"), "{:.2f}", "x"),
+            " / ".join(_num(host.get(k), "{:.1f}") for k in ("forward", "backward", "step")),
+            _num(sum(calls.values()) or None, "{:,.0f}"),
+            _num(r.get("peak_gib"), "{:.2f}"), str(r.get("run") or "-")])
+    params = (s.get("model") or {}).get("params")
+    title = ("**Params kept gathered, one call per graph** (DeepCompile + ds_z3native, "
+             + (f"{params / 1e9:.2f} B params ({s.get('layers')} layers of the 1 B shape), "
+                if isinstance(params, (int, float)) else "")
+             + f"checkpointing: {s.get('checkpointing', '?')}, {s.get('world_size', '?')} GPU, "
+             + f"{s.get('device', '?')}; ratio: step time over the same run's ungrouped one):")
+    header = ["variant", "kept-gathered params reached by", "ms/step (min–max)", "ratio",
+              "host ms per step: forward / backward / step", "dc op calls per step (profiled)",
+              "peak GiB", "run"]
+    return [title, ""] + _table(header, rows)
+
+
+def _summary_persistent_group(result: Mapping[str, Any]) -> List[List[str]]:
+    rows = dict(_group_rows(result))
+    grouped, weak = rows.get("dc-ckpt"), rows.get("dc-ckpt-ungrouped")
+    if not (grouped and weak and run_ok(grouped) and run_ok(weak)):
+        return []
+    s = grouped.get("setup") or {}
+    host = ((grouped.get("vs") or {}).get("ungrouped") or {}).get("host_ms_ratio") or {}
+    params = (s.get("model") or {}).get("params")
+    return [[f"DeepCompile step, params kept gathered, {params / 1e9:.2f} B Llama "
+             f"({s.get('layers')} layers), 1 GPU, checkpointing: {s.get('checkpointing')}",
+             f"`dc-ckpt`, one gather_persistent call per graph: "
+             f"{_num(metric_value(grouped, 'step_ms'), '{:.1f}')} ms",
+             f"`dc-ckpt-ungrouped`, DeepSpeed's three dc op calls per use: "
+             f"{_num(metric_value(weak, 'step_ms'), '{:.1f}')} ms",
+             f"{_num(grouped.get('ratio'), '{:.2f}')}x the step time"
+             + (f" (the unchanged optimizer step: {host['step']:.2f}x, the host's share)"
+                if isinstance(host.get("step"), (int, float)) else ""),
+             _measured(result, grouped, gpus=1)]]
+
+
 _FORMATTERS: Dict[str, Callable[[Mapping[str, Any]], List[str]]] = {
     "deepcompile_first_step": _first_step, "native_micro": _native_micro,
-    "lora_llama": _lora, "compile_scaling": _compile_scaling}
+    "lora_llama": _lora, "persistent_group": _persistent_group,
+    "compile_scaling": _compile_scaling}
 
 
 def render_block(results: Mapping[str, Mapping[str, Any]]) -> str:
@@ -626,7 +687,8 @@ def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
 
 _SUMMARIES: Dict[str, Callable[[Mapping[str, Any]], List[List[str]]]] = {
     "deepcompile_first_step": _summary_first_step, "native_micro": _summary_native_micro,
-    "lora_llama": _summary_lora, "compile_scaling": _summary_compile_scaling}
+    "lora_llama": _summary_lora, "persistent_group": _summary_persistent_group,
+    "compile_scaling": _summary_compile_scaling}
 
 
 def render_summary(results: Mapping[str, Mapping[str, Any]], tables: str = "docs/benchmarks.md"

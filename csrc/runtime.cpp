@@ -364,24 +364,32 @@ at::Tensor Runtime::allgatherParam(int64_t graph_id, int64_t ds_id,
     return out;
 }
 
-void Runtime::prefetchParamsFused(int64_t graph_id, const std::vector<int64_t>& ds_ids,
-                                  const std::optional<std::vector<at::ScalarType>>& dtypes)
+void Runtime::groupOf(GraphExecutor& ex, int64_t graph_id, const std::vector<int64_t>& ds_ids,
+                      const std::optional<std::vector<at::ScalarType>>& dtypes, const char* op,
+                      std::vector<ParamEntry*>& params,
+                      std::vector<std::optional<at::ScalarType>>& types)
 {
-    DSZ_LOCK;
-    const char* op = "prefetch_params_fused";
-    GraphExecutor& ex = executor(graph_id, op);
     if (dtypes) {
         DSZ_CHECK(dtypes->size() == ds_ids.size(), op, "graph ", graph_id, ": ", ds_ids.size(),
                   " ids but ", dtypes->size(), " dtypes");
     }
-    std::vector<ParamEntry*> params;
-    std::vector<std::optional<at::ScalarType>> types;
     std::unordered_set<int64_t> seen;
     for (size_t i = 0; i < ds_ids.size(); ++i) {
         DSZ_CHECK(seen.insert(ds_ids[i]).second, op, "ds_id ", ds_ids[i], " listed twice");
         params.push_back(&member(ex, ds_ids[i], op));
         types.push_back(dtypes ? std::optional<at::ScalarType>((*dtypes)[i]) : std::nullopt);
     }
+}
+
+void Runtime::prefetchParamsFused(int64_t graph_id, const std::vector<int64_t>& ds_ids,
+                                  const std::optional<std::vector<at::ScalarType>>& dtypes)
+{
+    DSZ_LOCK;
+    const char* op = "prefetch_params_fused";
+    GraphExecutor& ex = executor(graph_id, op);
+    std::vector<ParamEntry*> params;
+    std::vector<std::optional<at::ScalarType>> types;
+    groupOf(ex, graph_id, ds_ids, dtypes, op, params, types);
     if (config_.sync_before_allgather) { device_->synchronizeDevice(); }
     gatherer_.prefetch(params, types, op);
     if (config_.sync_after_allgather) { device_->synchronizeDevice(); }
@@ -410,6 +418,34 @@ void Runtime::releaseParam(int64_t graph_id, int64_t ds_id, int64_t n_users)
               ") is not gathered: release_param without a preceding allgather_param, or a "
               "release after its last user");
     if (ex.releaseUse(ds_id, n_users, op) && !p.persistent) { gatherer_.free(p, op); }
+}
+
+std::vector<at::Tensor> Runtime::gatherPersistent(
+    int64_t graph_id, const std::vector<int64_t>& ds_ids,
+    const std::optional<std::vector<at::ScalarType>>& dtypes)
+{
+    DSZ_LOCK;
+    const char* op = "gather_persistent";
+    GraphExecutor& ex = executor(graph_id, op);
+    DSZ_CHECK(!ds_ids.empty(), op, "graph ", graph_id, ": no ds_ids");
+    std::vector<ParamEntry*> params;
+    std::vector<std::optional<at::ScalarType>> types;
+    groupOf(ex, graph_id, ds_ids, dtypes, op, params, types);
+    for (const ParamEntry* p : params) {
+        DSZ_CHECK(p->persistent, op, "ds_id ", p->ds_id, " of graph ", graph_id,
+                  " is not persistent (set_persistent was not called for it, or declined it): "
+                  "its gathered copy would never be released");
+    }
+    if (config_.sync_before_allgather) { device_->synchronizeDevice(); }
+    gatherer_.prefetch(params, types, op);  // one group for those without a valid copy
+    std::vector<at::Tensor> out;
+    out.reserve(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+        out.push_back(gatherer_.gatherKept(*params[i], types[i], op));
+        gatherer_.wait(*params[i]);
+    }
+    if (config_.sync_after_allgather) { device_->synchronizeDevice(); }
+    return out;
 }
 
 void Runtime::reduceGrad(int64_t graph_id, int64_t ds_id, const at::Tensor& grad)
@@ -563,10 +599,11 @@ void Runtime::requireParam(int64_t ds_id, const char* op)
     registry_.get(ds_id, op);
 }
 
-at::Tensor Runtime::gatheredMeta(int64_t ds_id, std::optional<at::ScalarType> dtype)
+at::Tensor Runtime::gatheredMeta(int64_t ds_id, std::optional<at::ScalarType> dtype,
+                                 const char* op)
 {
     DSZ_LOCK;
-    return Gatherer::metaOf(registry_.get(ds_id, "allgather_param (meta)"), dtype);
+    return Gatherer::metaOf(registry_.get(ds_id, op), dtype);
 }
 
 // ---------------------------------------------------------------- introspection

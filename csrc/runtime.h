@@ -91,6 +91,13 @@ public:
                              const std::optional<std::vector<at::ScalarType>>& dtypes);
     void waitAllgather(int64_t graph_id, int64_t ds_id);
     void releaseParam(int64_t graph_id, int64_t ds_id, int64_t n_users);
+    // ds_z3native's own op (not DeepSpeed's): the full tensors of params kept gathered
+    // (set_persistent), in one call for a graph's group; gathers the ones without a valid copy
+    // (trainable params after an optimizer step) in one collective group and waits for them.
+    // Refuses a param that is not persistent: nothing would ever release its gathered copy.
+    std::vector<at::Tensor> gatherPersistent(
+        int64_t graph_id, const std::vector<int64_t>& ds_ids,
+        const std::optional<std::vector<at::ScalarType>>& dtypes);
     void reduceGrad(int64_t graph_id, int64_t ds_id, const at::Tensor& grad);
     // Refused before any state changes while no backward has begun (start_backward never called
     // since init), except for DeepSpeed's profiler, which runs backward graphs with profiling on
@@ -103,7 +110,8 @@ public:
     at::Tensor waitReload(const at::Tensor& t, int64_t graph_id, int64_t id);
     void offloadParameter(int64_t graph_id, int64_t ds_id);
     void reloadParameter(int64_t graph_id, int64_t ds_id);
-    at::Tensor gatheredMeta(int64_t ds_id, std::optional<at::ScalarType> dtype);
+    at::Tensor gatheredMeta(int64_t ds_id, std::optional<at::ScalarType> dtype,
+                            const char* op = "allgather_param (meta)");
     // Throws naming `op` when ds_id is not registered (the Meta kernels' check).
     void requireParam(int64_t ds_id, const char* op);
 
@@ -132,6 +140,12 @@ private:
     ParamEntry& member(GraphExecutor& ex, int64_t ds_id, const char* op);
     ActivationOffload& offloadFor(int64_t graph_id, const char* op);
     void requireQueuedStaysReducible(const ParamEntry& next, const char* op);
+    // The params of `ds_ids` in graph `ex` with their dtypes (refused: an id listed twice, not a
+    // member, or a dtype list of another length), for the ops that take a group.
+    void groupOf(GraphExecutor& ex, int64_t graph_id, const std::vector<int64_t>& ds_ids,
+                 const std::optional<std::vector<at::ScalarType>>& dtypes, const char* op,
+                 std::vector<ParamEntry*>& params,
+                 std::vector<std::optional<at::ScalarType>>& types);
 
     std::unique_ptr<Collectives> comm_;
     std::unique_ptr<DeviceBackend> device_;

@@ -1214,3 +1214,45 @@ def test_records_kept_beside_the_table_get_ratios_without_taking_its_rows(tmp_pa
     assert len(merged["replaced"]) == 2
     merged = merge([record("dc", 120.0, None)], out)
     assert "upstream" not in (merged["runs"]["dc@0.19.8"].get("vs") or {})
+
+
+def test_persistent_group_table_and_summary_compare_with_the_same_runs_ungrouped_step(
+        tmp_path: Path) -> None:
+    from bench import report
+
+    def record(variant: str, median: float, step_host: float, grouped: bool,
+               calls: Dict[str, float]) -> Dict[str, Any]:
+        return {"variant": variant, "run": "2026-02-03-x", "versions": {"deepspeed": "0.19.8"},
+                "step_ms": {"median": median, "min": median - 1, "max": median + 1},
+                "peak_gib": 3.0, "host_ms": {"forward": 20.0, "backward": 25.0,
+                                             "step": step_host},
+                "trace": {"breakdown": {"dc_calls": calls}},
+                "setup": {"device": "NVIDIA H200", "layers": 8, "world_size": 1,
+                          "checkpointing": "non-reentrant", "group_persistent": grouped,
+                          "model": {"params": 5.5e8}}}
+
+    weak = record("dc-ckpt-ungrouped", 80.0, 20.0, False,
+                  {"allgather_param": 373, "wait_allgather": 373, "release_param": 536})
+    ours = record("dc-ckpt", 60.0, 16.0, True, {"reduce_grad": 112})
+    ours["ratio"], weak["ratio"] = 0.75, 1.0
+    ours["vs"] = {"ungrouped": {"step_ratio": 0.75, "host_ms_ratio": {"step": 0.8}}}
+    result = {"bench": "persistent_group", "created": "2026-02-03T00:00:00+00:00",
+              "setup": ours["setup"],
+              "runs": {"dc-ckpt@0.19.8": ours, "dc-ckpt-ungrouped@0.19.8": weak}}
+    (tmp_path / "persistent_group.json").write_text(json.dumps(result))
+    results = report.load_results(tmp_path)
+    block = report.render_block(results)
+    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in block.splitlines()
+            if ln.startswith("| dc-ckpt")]
+    assert [r[0] for r in rows] == ["dc-ckpt-ungrouped", "dc-ckpt"]  # the baseline first
+    assert rows[1][1:4] == ["one call per graph", "60.0 (59.0–61.0)", "0.75x"]
+    assert rows[0][1] == "DeepSpeed's: three per use" and rows[0][5] == "1,282"
+    (row,) = [ln for ln in report.render_summary(results).splitlines()
+              if ln.startswith("| DeepCompile step, params kept gathered")]
+    assert ("60.0 ms | `dc-ckpt-ungrouped`, DeepSpeed's three dc op calls per use: 80.0 ms | "
+            "0.75x the step time (the unchanged optimizer step: 0.80x, the host's share) | "
+            "2026-02-03, 1 x NVIDIA H200 |") in row
+    # Without the ungrouped run of the same file there is nothing to compare with.
+    del result["runs"]["dc-ckpt-ungrouped@0.19.8"]
+    (tmp_path / "persistent_group.json").write_text(json.dumps(result))
+    assert "params kept gathered" not in report.render_summary(report.load_results(tmp_path))

@@ -84,6 +84,17 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         ("deepspeed.compile.backend", "launch_compile_passes", ("global_steps",)),
         ("deepspeed.compile.backend", "remaining_schedule", None),
         ("deepspeed.compile.backend", "init_schedule", ("schedule",))],
+    "deepcompile-persistent-group": [
+        ("deepspeed.compile.backend", "launch_compile_passes", ("global_steps",)),
+        ("deepspeed.compile.backend", "remaining_schedule", None),
+        ("deepspeed.compile.backend", "next_passes", None),
+        ("deepspeed.compile.backend", "profiling_results", None),
+        ("deepspeed.compile.backend", "param_manager", None),
+        ("deepspeed.compile.backend", "graph_order_with_frame_id", None),
+        # Called by position, as run_opt_passes calls a pass.
+        ("deepspeed.compile.passes.selective_gather", "selective_gather",
+         ("gm", "graph_id", "graph_order", "profiling_results", "create_inputs_fn", "mem_budget",
+          "param_manager", "bwd"))],
     "deepcompile-aot-partial-constructions": [
         ("deepspeed.compile.inductor", "patch_create_aot_dispatcher_function",
          ("graph_id", "z3_partition", "make_fw_graph", "make_bw_graph"))],

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ds_z3native.settings import PROFILE_STORE_ENV
-from helpers.dc_runner import RUNNER, needs_cpu_deepcompile, run_alone
+from helpers.dc_runner import RUNNER, needs_cpu_deepcompile, run_alone, run_together
 
 # The watchdog tests and the checkpoint-mode helper test exercise our own harness and HF code,
 # the same whatever the DeepSpeed release: not marked ``deepspeed`` (not rerun on 0.19.2).
@@ -159,6 +159,38 @@ def test_hf_llama_lora_nonreentrant_checkpointing_trains_like_eager_zero3() -> N
     assert any("requires_grad_" in r for r in kept["graph_break_reasons"])
     print(f"graph breaks: {kept['graph_breaks']} -> {ours['graph_breaks']}; "
           f"max |loss diff| {loss_diff:.2e}, max |LoRA param diff| {param_diff:.2e}")
+
+
+@pytest.mark.deepspeed
+@needs_cpu_deepcompile
+def test_params_kept_gathered_are_reached_by_one_call_per_graph_and_train_the_same() -> None:
+    # Two ranks (gloo), a LoRA Llama with non-reentrant checkpointing, every param kept gathered
+    # from the re-plan on (--persist-all stands in for DeepCompile's memory policy, which keeps
+    # nothing on a CPU). Grouped: each re-planned graph reaches them with one gather_persistent
+    # call, the trainable LoRA params re-gathered in it after every optimizer step. Ungrouped:
+    # DeepSpeed's three dc op calls per use. The last step's op calls are counted.
+    common = ["--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant",
+              "--persist-all", "--count-ops"]
+    env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    runs = run_together({"grouped": (common, STEPS),
+                         "ungrouped": (common + ["--no-group-persistent"], STEPS)},
+                        env=env, nprocs={"grouped": 2, "ungrouped": 2})
+    grouped, ungrouped = _ok(runs["grouped"]), _ok(runs["ungrouped"])
+    _assert_same_training(grouped, ungrouped, rtol=1e-5, atol=1e-6)
+    for rank in grouped["other_ranks"]:
+        assert rank["losses"] == grouped["losses"]
+    stats = grouped["persistent_group"]
+    assert stats["early_choices"] == 1 and stats["graphs"] >= 2  # forward and backward
+    calls, weak = grouped["op_calls_last_step"], ungrouped["op_calls_last_step"]
+    print(f"\n[persistent group] {stats}; last step's op calls: grouped {calls}, "
+          f"ungrouped {weak}")
+    assert calls["ds_z3native::gather_persistent"] == stats["graphs"]
+    for op in ("dc::allgather_param", "dc::wait_allgather", "dc::release_param"):
+        assert op not in calls
+        assert weak[op] >= stats["params"] // 2
+    assert "ds_z3native::gather_persistent" not in weak
+    assert ungrouped["persistent_group"]["early_choices"] == 0
+    assert calls["dc::reduce_grad"] == weak["dc::reduce_grad"] > 0
 
 
 @pytest.mark.deepspeed

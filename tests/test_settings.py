@@ -17,8 +17,9 @@ import pytest
 import ds_z3native
 from ds_z3native import settings
 from ds_z3native.compat import deepcompile_prefetch, deepcompile_profile_store
-from ds_z3native.settings import (BUDGET_RANGE, MAX_BUDGET_MIB, PERSISTENCE_BUDGET_ENV,
-                                  PREFETCH_BUDGET_ENV, PROFILE_STORE_ENV, Settings)
+from ds_z3native.settings import (BUDGET_RANGE, GROUP_PERSISTENT_ENV, MAX_BUDGET_MIB,
+                                  PERSISTENCE_BUDGET_ENV, PREFETCH_BUDGET_ENV, PROFILE_STORE_ENV,
+                                  Settings)
 from helpers.dist import run_python
 
 
@@ -49,6 +50,26 @@ def test_each_value_is_checked_once_whoever_sets_it() -> None:
     with pytest.raises(ValueError, match=r"set_profile_store: expected a directory .* got 5"):
         ds_z3native.set_profile_store(5)  # type: ignore[arg-type]
     assert settings.check_budget_mib(0, "x") == 0.0 and settings.check_budget_mib(None, "x") is None
+
+
+@pytest.mark.parametrize("raw,on", [("0", False), (" off ", False), ("No", False),
+                                    ("1", True), ("true", True), ("", True)])
+def test_the_grouping_switch_reads_its_variable(raw: str, on: bool) -> None:
+    assert Settings.from_env({GROUP_PERSISTENT_ENV: raw}).group_persistent is on
+    assert Settings.from_env({}).group_persistent is True
+
+
+def test_a_malformed_grouping_switch_is_refused_naming_it(clean_settings) -> None:
+    with pytest.raises(ValueError, match=rf"^{GROUP_PERSISTENT_ENV}: expected 1 or 0 .*'2'"):
+        Settings.from_env({GROUP_PERSISTENT_ENV: "2"})
+    for bad in (0, 1, "false", None):
+        with pytest.raises(ValueError, match=rf"set_group_persistent: expected True or False, "
+                                             rf"got {re.escape(repr(bad))}"):
+            ds_z3native.set_group_persistent(bad)  # type: ignore[arg-type]
+    assert settings.current().group_persistent is True  # a refusal changes nothing
+    environ = dict(os.environ)
+    ds_z3native.set_group_persistent(False)
+    assert settings.current().group_persistent is False and dict(os.environ) == environ
 
 
 def test_the_budget_range_the_messages_and_docs_state_is_the_bound_checked() -> None:

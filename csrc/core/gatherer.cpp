@@ -145,6 +145,21 @@ at::Tensor Gatherer::gather(ParamEntry& p, std::optional<at::ScalarType> dtype, 
     return fullView(p, p.gathered);
 }
 
+at::Tensor Gatherer::gatherKept(ParamEntry& p, std::optional<at::ScalarType> dtype, const char* op)
+{
+    const bool same_dtype =
+        p.gathered.defined() && p.gathered.scalar_type() == dtype.value_or(p.shard.scalar_type());
+    if (p.valid && same_dtype && p.full_view.defined() &&
+        p.full_view.storage().is_alias_of(p.gathered.storage())) {
+        return p.full_view;
+    }
+    at::Tensor full = gather(p, dtype, op);
+    if (p.gathered.defined() && full.storage().is_alias_of(p.gathered.storage())) {
+        p.full_view = full;
+    }
+    return full;
+}
+
 void Gatherer::prefetch(const std::vector<ParamEntry*>& params,
                         const std::vector<std::optional<at::ScalarType>>& dtypes,
                         const char* op)
@@ -206,6 +221,7 @@ void Gatherer::free(ParamEntry& p, const char* op)
 void Gatherer::forget(ParamEntry& p, bool keep_placeholder)
 {
     p.gathered = at::Tensor();
+    p.full_view = at::Tensor();
     p.has_gathered = keep_placeholder;
     p.valid = false;
 }

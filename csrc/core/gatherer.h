@@ -22,6 +22,9 @@ public:
     // Issues an allgather unless a valid gathered copy exists. The result may still be in
     // flight on the allgather stream: wait() makes the compute stream wait for it.
     at::Tensor gather(ParamEntry& p, std::optional<at::ScalarType> dtype, const char* op);
+    // gather(), for a param whose copy is kept: the full view of a valid copy in `dtype` is made
+    // once and handed out again on later calls (no dispatcher call), until the copy changes.
+    at::Tensor gatherKept(ParamEntry& p, std::optional<at::ScalarType> dtype, const char* op);
     // Starts gathers of every listed param that has no valid copy, in one collective group.
     void prefetch(const std::vector<ParamEntry*>& params,
                   const std::vector<std::optional<at::ScalarType>>& dtypes,

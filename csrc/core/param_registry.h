@@ -39,6 +39,9 @@ struct ParamEntry {
     at::Tensor gathered;
     bool valid = false;
     std::shared_ptr<Event> gather_done;
+    // The full-shape view of `gathered` that Gatherer::gatherKept last returned (made once per
+    // buffer for a param kept gathered); dropped with the buffer.
+    at::Tensor full_view;
 
     // Set once a reduced gradient has been written into grad_buffer in this accumulation window:
     // later ones are added, the first one overwrites.

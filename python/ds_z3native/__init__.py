@@ -19,7 +19,8 @@ import torch
 from ._native import DcNamespaceTaken, existing_dc_owner, load
 from . import settings
 from ._version import __version__
-from .settings import PERSISTENCE_BUDGET_ENV, PREFETCH_BUDGET_ENV, PROFILE_STORE_ENV, Settings
+from .settings import (GROUP_PERSISTENT_ENV, PERSISTENCE_BUDGET_ENV, PREFETCH_BUDGET_ENV,
+                       PROFILE_STORE_ENV, Settings)
 from .installer import (InstallError, InstallReport, UnsupportedDeepSpeed, UnverifiedPatchTarget,
                         install, installed, uninstall)
 
@@ -28,7 +29,8 @@ __all__ = ["native", "build_info", "current_graph_task_id", "DcNamespaceTaken",
            "InstallReport", "InstallError", "UnsupportedDeepSpeed", "UnverifiedPatchTarget",
            "set_persistence_budget",
            "PERSISTENCE_BUDGET_ENV", "set_prefetch_budget", "PREFETCH_BUDGET_ENV",
-           "set_profile_store", "PROFILE_STORE_ENV", "Settings", "current_settings"]
+           "set_profile_store", "PROFILE_STORE_ENV", "set_group_persistent",
+           "GROUP_PERSISTENT_ENV", "Settings", "current_settings"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -103,6 +105,24 @@ def set_prefetch_budget(mib: Optional[float]) -> None:
     compiled graph's collectives. ValueError naming this function and the value for anything
     but ``None`` or MiB in [0, 1e12)."""
     settings.update(prefetch_budget_mib=settings.check_budget_mib(mib, "set_prefetch_budget"))
+
+
+def set_group_persistent(enabled: bool) -> None:
+    """Whether DeepCompile's re-plan reaches the params it keeps gathered with one op call per
+    graph (``True``, the default) or with DeepSpeed's three calls per use (``False``).
+
+    DeepCompile keeps params gathered across steps when memory allows (its ``selective_gather``
+    pass, at the end of the re-plan after its 5th step). With this on, that choice is made at the
+    start of the re-plan from the first cycle's profiles, by DeepSpeed's own pass, and the
+    re-planned graphs reach those params with one ``ds_z3native::gather_persistent`` call each
+    instead of an ``allgather_param``, ``wait_allgather`` and ``release_param`` per use: host
+    time a host-bound step no longer spends. The values computed are the same.
+
+    Read at each re-plan while ds_z3native is installed (patch
+    ``deepcompile-persistent-group``). This process only: nothing is written to ``os.environ``;
+    child processes read ``DS_Z3NATIVE_GROUP_PERSISTENT`` (1/0), the default. Use the same setting
+    on every rank. ValueError naming this function for anything but a bool."""
+    settings.update(group_persistent=settings.check_switch(enabled, "set_group_persistent"))
 
 
 def set_profile_store(directory: Optional[str | os.PathLike]) -> None:

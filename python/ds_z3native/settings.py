@@ -1,9 +1,10 @@
-"""ds_z3native's settings: the persistence budget, the prefetch budget and the profile store.
+"""ds_z3native's settings: the persistence budget, the prefetch budget, the profile store and the
+grouping of persistent params' gathers.
 
 One :class:`Settings` value per process, held here and handed to those that use it: the native
 runtime (``_C.set_default_persistence_budget``, pushed by ``ds_z3native``), DeepCompile's
-prefetch pass (``compat.deepcompile_prefetch``) and its profilers
-(``compat.deepcompile_profile_store``).
+prefetch pass (``compat.deepcompile_prefetch``), its profilers
+(``compat.deepcompile_profile_store``) and its re-plan (``compat.deepcompile_persistent``).
 
 The environment gives the defaults, read once: the first time a setting is needed in this
 process (loading the native module, ``install()``, a setter, or a consumer, whichever comes
@@ -27,12 +28,16 @@ from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional
 
 __all__ = ["Settings", "PERSISTENCE_BUDGET_ENV", "PREFETCH_BUDGET_ENV", "PROFILE_STORE_ENV",
-           "MAX_BUDGET_MIB", "BUDGET_RANGE", "check_budget_mib", "check_profile_store", "current",
+           "GROUP_PERSISTENT_ENV", "MAX_BUDGET_MIB", "BUDGET_RANGE", "check_budget_mib",
+           "check_profile_store", "check_switch", "current",
            "subscribe", "update", "use"]
 
 PERSISTENCE_BUDGET_ENV = "DS_Z3NATIVE_PERSISTENCE_BUDGET_MB"
 PREFETCH_BUDGET_ENV = "DS_Z3NATIVE_PREFETCH_BUDGET_MB"
 PROFILE_STORE_ENV = "DS_Z3NATIVE_PROFILE_STORE"
+GROUP_PERSISTENT_ENV = "DS_Z3NATIVE_GROUP_PERSISTENT"
+_SWITCH_VALUES = {"1": True, "true": True, "on": True, "yes": True,
+                  "0": False, "false": False, "off": False, "no": False}
 MAX_BUDGET_MIB = 1e12  # exclusive; far above any device, and still exact in int64 bytes
 # The accepted budgets as the error messages and docs write them, from MAX_BUDGET_MIB.
 BUDGET_RANGE = f"[0, {MAX_BUDGET_MIB:g})".replace("e+", "e")
@@ -65,6 +70,14 @@ def check_profile_store(value: Any, what: str) -> Optional[Path]:
     return Path(path)
 
 
+def check_switch(value: Any, what: str) -> bool:
+    """``value`` as an on/off setting: a bool; ValueError naming ``what`` and the value
+    otherwise."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{what}: expected True or False, got {value!r}")
+    return value
+
+
 def _mib_to_bytes(mib: Optional[float]) -> Optional[int]:
     return None if mib is None else int(mib * 1024 * 1024)
 
@@ -76,11 +89,15 @@ class Settings:
     persistence_budget_mib: Optional[float] = None
     prefetch_budget_mib: Optional[float] = None
     profile_store: Optional[Path] = None
+    # False: DeepCompile's re-plan keeps DeepSpeed's three dc op calls per use of a param kept
+    # gathered (compat.deepcompile_persistent).
+    group_persistent: bool = True
 
     def __post_init__(self) -> None:
         check_budget_mib(self.persistence_budget_mib, "Settings.persistence_budget_mib")
         check_budget_mib(self.prefetch_budget_mib, "Settings.prefetch_budget_mib")
         check_profile_store(self.profile_store, "Settings.profile_store")
+        check_switch(self.group_persistent, "Settings.group_persistent")
 
     @property
     def persistence_budget_bytes(self) -> Optional[int]:
@@ -107,10 +124,20 @@ class Settings:
                 raise ValueError(f"{name}: expected MiB in {BUDGET_RANGE}, got {raw!r} (unset it "
                                  "for no cap)") from None
 
+        def switch(name: str, default: bool) -> bool:
+            raw = environ.get(name, "").strip()
+            if not raw:
+                return default
+            if raw.lower() not in _SWITCH_VALUES:
+                raise ValueError(f"{name}: expected 1 or 0 (true/false, on/off, yes/no), got "
+                                 f"{raw!r}")
+            return _SWITCH_VALUES[raw.lower()]
+
         store = environ.get(PROFILE_STORE_ENV, "").strip()
         return cls(persistence_budget_mib=budget(PERSISTENCE_BUDGET_ENV),
                    prefetch_budget_mib=budget(PREFETCH_BUDGET_ENV),
-                   profile_store=Path(store) if store else None)
+                   profile_store=Path(store) if store else None,
+                   group_persistent=switch(GROUP_PERSISTENT_ENV, True))
 
 
 _lock = threading.Lock()

@@ -69,10 +69,21 @@ def rebind_when_imported(module_name: str, original: Callable, wrapper: Callable
     The module may already hold ``wrapper`` (it imported the name after the wrapper was put in
     place) or an earlier wrapper of the same original (``__wrapped__``: a binding left from an
     earlier install): both are rebound, and the undo puts ``original`` back wherever ``wrapper``
-    still is, so nothing of ours outlives an uninstall. Any other object there is someone
-    else's and stays.
+    still is, so nothing of ours outlives an uninstall. The module may also hold a later patch's
+    wrapper around ``wrapper`` (two patches wrap the same function and the module imported the
+    name after both): it stays, and the undo still puts ``original`` back once that later
+    patch's undo has put ``wrapper`` there. Any other object there is someone else's and stays.
     """
     name = original.__name__
+
+    def wraps_ours(obj: Any) -> bool:
+        seen = 0
+        while obj is not None and seen < 16:  # a chain of __wrapped__, bounded
+            obj = getattr(obj, "__wrapped__", None)
+            if obj is wrapper:
+                return True
+            seen += 1
+        return False
 
     def rebind() -> Undo:
         import sys
@@ -81,15 +92,17 @@ def rebind_when_imported(module_name: str, original: Callable, wrapper: Callable
         current = getattr(module, name, None)
         ours = current is original or current is wrapper or (
             getattr(current, "__wrapped__", None) is original)
-        if not ours:
-            log.debug("%s.%s is neither DeepSpeed's nor ours; left as it is", module_name, name)
-            return lambda: None
-        setattr(module, name, wrapper)
 
         def undo() -> None:
             if getattr(module, name, None) is wrapper:
                 setattr(module, name, original)
 
+        if not ours and wraps_ours(current):
+            return undo  # a later wrapper of ours stays; its undo puts ours back first
+        if not ours:
+            log.debug("%s.%s is neither DeepSpeed's nor ours; left as it is", module_name, name)
+            return lambda: None
+        setattr(module, name, wrapper)
         return undo
 
     return when_module_imported(module_name, rebind)

@@ -49,7 +49,8 @@ from ..dc_ops import DC_OPS
 from . import Patch, Undo
 from ._rebind import when_module_imported, wrap_function
 
-__all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "checkpoint_rng_op", "mark_checkpoint_rng_cacheable",
+__all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "OWN_GRAPH_ID_ARG", "checkpoint_rng_op",
+           "mark_checkpoint_rng_cacheable",
            "canonical_graph_id", "uses_graph_id", "canonicalize_graph_ids", "cache_key_tag",
            "CacheBypassLog", "cache_bypasses", "patch_canonical_graph_ids",
            "DEEPCOMPILE_CANONICAL_GRAPH_IDS", "DEEPCOMPILE_CACHE_CHECKPOINT_RNG", "PATCHES"]
@@ -64,6 +65,9 @@ INDUCTOR_MODULE = "deepspeed.compile.inductor"
 # (optimizer-state offload), whose ints are not graph ids: they are not listed.
 GRAPH_ID_ARG: Dict[str, int] = {op.name: op.graph_id_arg for op in DC_OPS
                                 if op.graph_id_arg is not None}
+# The same for ds_z3native's own ops (library ``ds_z3native``), which its graph rewrites emit.
+OWN_GRAPH_ID_ARG: Dict[str, int] = {"gather_persistent": 0}
+_GRAPH_ID_ARGS = {"dc": GRAPH_ID_ARG, "ds_z3native": OWN_GRAPH_ID_ARG}
 
 
 def canonical_graph_id(native: Any, graph_id: int) -> int:
@@ -79,15 +83,16 @@ def canonical_graph_id(native: Any, graph_id: int) -> int:
 
 
 def _graph_id_args(graph: Any):
-    """(node, position or "graph_id", value) of each graph id a native dc op of ``graph`` takes."""
+    """(node, position or "graph_id", value) of each graph id a native dc op (or one of
+    ds_z3native's own ops) of ``graph`` takes."""
     import torch
 
     for node in graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
-                or target.namespace != "dc":
+                or target.namespace not in _GRAPH_ID_ARGS:
             continue
-        pos = GRAPH_ID_ARG.get(target._schema.name.split("::", 1)[-1])
+        pos = _GRAPH_ID_ARGS[target.namespace].get(target._schema.name.split("::", 1)[-1])
         if pos is None:
             continue
         if len(node.args) > pos:

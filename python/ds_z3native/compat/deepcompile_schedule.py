@@ -32,7 +32,7 @@ from . import Patch, Undo
 from ._rebind import rebind_when_imported, undo_all, when_module_imported, wrap_function
 
 __all__ = ["DEEPCOMPILE_KWARGS_DEPENDENCIES", "DEEPCOMPILE_RESUME_SCHEDULE", "PATCHES",
-           "node_inputs", "shift_schedule"]
+           "node_inputs", "shift_schedule", "wrap_launch_compile_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -140,21 +140,25 @@ def _launching_after_resume(launch: Callable) -> Callable:
     return launch_compile_passes
 
 
+def wrap_launch_compile_passes(make_wrapper: Callable[[Callable], Callable]) -> Undo:
+    """Wrap DeepSpeed's ``launch_compile_passes`` (imported now) in its backend module and in
+    every module holding its own reference (:data:`LAUNCH_OWNERS`, now or when imported); the
+    undo restores them all. Patches that wrap it each call this, in their install order."""
+    import importlib
+
+    backend = importlib.import_module(BACKEND_MODULE)
+    original = backend.launch_compile_passes
+    undos = [wrap_function([backend], "launch_compile_passes", make_wrapper)]
+    wrapper = backend.launch_compile_passes
+    for name in LAUNCH_OWNERS[1:]:
+        undos.append(rebind_when_imported(name, original, wrapper))
+    return undo_all(undos)
+
+
 def patch_resume_schedule() -> Undo:
     """DeepSpeed's compile-pass schedule moves forward when the engine's step count is past it."""
-
-    def apply() -> Undo:
-        import importlib
-
-        backend = importlib.import_module(BACKEND_MODULE)
-        original = backend.launch_compile_passes
-        undos = [wrap_function([backend], "launch_compile_passes", _launching_after_resume)]
-        wrapper = backend.launch_compile_passes
-        for name in LAUNCH_OWNERS[1:]:
-            undos.append(rebind_when_imported(name, original, wrapper))
-        return undo_all(undos)
-
-    return when_module_imported(BACKEND_MODULE, apply)
+    return when_module_imported(
+        BACKEND_MODULE, lambda: wrap_launch_compile_passes(_launching_after_resume))
 
 
 DEEPCOMPILE_KWARGS_DEPENDENCIES = Patch(

@@ -12,6 +12,8 @@
   objects built without its compilers.
 * ``deepcompile_schedule``: DeepCompile's scheduler sees keyword inputs (evaluation graphs),
   and its compile passes start at a resumed step.
+* ``deepcompile_persistent``: DeepCompile's re-plan chooses the params it keeps gathered first and
+  reaches them with one op call per graph.
 * ``cpu_accelerator``: DeepCompile on DeepSpeed's CPU accelerator gets a device it can parse.
 * ``gloo_collectives``: DeepSpeed's collectives on CPU tensors under torch.compile's Python
   dispatcher run without it (a gloo deadlock otherwise).
@@ -47,6 +49,7 @@ PATCH_MODULES = (
     "ds_z3native.compat.deepcompile_graph_ids",
     "ds_z3native.compat.deepcompile_profile_store",
     "ds_z3native.compat.deepcompile_schedule",
+    "ds_z3native.compat.deepcompile_persistent",
     "ds_z3native.compat.deepcompile_aot",
     "ds_z3native.compat.cpu_accelerator",
     "ds_z3native.compat.gloo_collectives",

@@ -392,6 +392,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         from ds_z3native.compat.deepcompile_persistent import group_stats
 
         result["persistent_group"] = group_stats()
+        from ds_z3native.compat.deepcompile_warm_start import warm_start_stats
+
+        result["warm_start"] = warm_start_stats()
 
         gather = eager_gather_of(engine)
         result["eager_gather"] = None if gather is None else {

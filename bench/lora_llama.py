@@ -872,6 +872,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
             # Re-plans whose kept-gathered params were chosen early and grouped.
             record["persistent_group"] = group_stats()
+            from ds_z3native.compat.deepcompile_warm_start import warm_start_stats
+
+            # A run that compiled the re-plan's graphs at step 0 from the store (dc-warm).
+            record["warm_start"] = warm_start_stats()
             record["persistence"] = dict(ds_z3native.native().persistence_info())
             # Reduce-bucket memory at its most (bytes): sized to the trainable gradients.
             record["reduce_bucket_bytes"] = int(

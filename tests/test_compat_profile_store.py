@@ -138,7 +138,7 @@ def test_an_unreadable_profile_is_measured_again_with_a_warning(profile_dir: Pat
         _profile(_graph(1))
     assert "unreadable" in caplog.text and str(path) in caplog.text
     assert store.store_stats() == {"recorded": 1, "replayed": 0}
-    assert json.loads(path.read_text())["format"] == 1  # written anew
+    assert json.loads(path.read_text())["format"] == store._FORMAT  # written anew
 
 
 def test_a_stored_profile_of_other_nodes_is_not_replayed(profile_dir: Path) -> None:

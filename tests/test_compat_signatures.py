@@ -70,6 +70,9 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         ("deepspeed.compile.inductor", "patch_compiler",
          ("original_compiler", "dc_compiler", "z3_partition", "graph_id"))],
     "deepcompile-cache-checkpoint-rng": [],  # a torch config table: see tests/test_compat_graph_ids.py
+    # torch's: the source is passed by keyword, as DeepSpeed's and AOTAutograd's callers do.
+    "deepcompile-sourceless-symbols": [
+        ("torch._subclasses.fake_tensor", "FakeTensorMode.from_tensor", ("self", "tensor"))],
     "deepcompile-profile-store": [
         ("deepspeed.compile.profilers.graph_profile", "ProfilingInterpreter.run", ("self",)),
         ("deepspeed.compile.profilers.graph_profile", "MemoryProfilingInterpreter.run", ("self",)),
@@ -92,6 +95,18 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         ("deepspeed.compile.backend", "param_manager", None),
         ("deepspeed.compile.backend", "graph_order_with_frame_id", None),
         # Called by position, as run_opt_passes calls a pass.
+        ("deepspeed.compile.passes.selective_gather", "selective_gather",
+         ("gm", "graph_id", "graph_order", "profiling_results", "create_inputs_fn", "mem_budget",
+          "param_manager", "bwd"))],
+    "deepcompile-warm-start": [
+        ("deepspeed.compile.backend", "launch_compile_passes", ("global_steps",)),
+        ("deepspeed.compile.backend", "remaining_schedule", None),
+        ("deepspeed.compile.backend", "next_passes", None),
+        ("deepspeed.compile.backend", "param_manager", None),
+        ("deepspeed.compile.util", "get_deepcompile_handle", ()),
+        # The passes of DeepSpeed's default re-plan, found by these names in its schedule.
+        ("deepspeed.compile.passes.zero3_compile", "add_z3_gather_release", ("gm", "graph_id")),
+        ("deepspeed.compile.passes.prefetch", "schedule_prefetch", ("gm", "graph_id")),
         ("deepspeed.compile.passes.selective_gather", "selective_gather",
          ("gm", "graph_id", "graph_order", "profiling_results", "create_inputs_fn", "mem_budget",
           "param_manager", "bwd"))],

@@ -13,12 +13,13 @@ tests/gpu/test_deepcompile_llama.py.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
 
-from ds_z3native.settings import PROFILE_STORE_ENV
+from ds_z3native.settings import PROFILE_STORE_ENV, WARM_START_ENV
 from helpers.dc_runner import RUNNER, needs_cpu_deepcompile, run_alone, run_together
 
 # The watchdog tests and the checkpoint-mode helper test exercise our own harness and HF code,
@@ -193,34 +194,119 @@ def test_params_kept_gathered_are_reached_by_one_call_per_graph_and_train_the_sa
     assert calls["dc::reduce_grad"] == weak["dc::reduce_grad"] > 0
 
 
+def _cached_env(tmp_path: Path) -> Tuple[Path, Dict[str, str]]:
+    """A profile store and the environment of CPU runs sharing it and an inductor cache."""
+    store = tmp_path / "profiles"
+    return store, {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
+                   "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                   PROFILE_STORE_ENV: str(store)}
+
+
+def _manifests(store: Path) -> List[str]:
+    return sorted(p.name.split("-")[0] + " " + p.name.split(".")[-2] for p in store.iterdir())
+
+
 @pytest.mark.deepspeed
 @needs_cpu_deepcompile
-def test_a_second_run_is_compiled_from_the_fx_graph_cache(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_second_run_is_compiled_from_the_fx_graph_cache_and_starts_warm(tmp_path: Path) -> None:
     # DeepSpeed bakes id(gm.graph), a memory address, into every dc call of a graph, so
     # inductor's FX-graph cache missed on every graph, every run. With canonical graph ids the
     # step-6 re-plan, whose graphs the CPU leaves unchanged (DeepCompile's profile-driven passes
     # skip without CUDA timings), is served from the cache within the first run, and a second run
-    # with the same cache directory compiles nothing; both train the same.
-    # A profile store set (what a GPU run needs for the same schedule: tests/test_compat_profile_store.py,
-    # tests/gpu/test_profile_store_gpu.py) keeps only complete profiles; the CPU's have no CUDA
-    # timings (DeepSpeed marks them incomplete), so nothing is recorded and nothing replayed.
-    env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-           PROFILE_STORE_ENV: str(tmp_path / "profiles")}
+    # with the same cache directory compiles nothing; all train the same.
+    # A profile store keeps only complete profiles; the CPU's have no CUDA timings (DeepSpeed
+    # marks them incomplete), so no profile is recorded or replayed here (the GPU side:
+    # tests/gpu/test_profile_store_gpu.py). The store still gets the re-plan's manifest, and a
+    # warm start compiles the re-plan's two graphs at step 0 and no first cycle.
+    store, env = _cached_env(tmp_path)
     cold = _ok(run_alone("cold", ["--model", "frozen-linear"], STEPS, env=env))
+    listed = _manifests(store)
+    again = _ok(run_alone("again", ["--model", "frozen-linear"], STEPS,
+                          env={**env, WARM_START_ENV: "0"}))
     warm = _ok(run_alone("warm", ["--model", "frozen-linear"], STEPS, env=env))
-    print(f"\n[fx-graph cache] cold {cold['compile_caches']}, warm {warm['compile_caches']}; "
-          f"compile to the end of step 1: cold {cold['compile_to_first_step_end_s']:.1f} s, "
-          f"warm {warm['compile_to_first_step_end_s']:.1f} s; re-plan step: cold "
-          f"{cold['step_s'][5]:.1f} s, warm {warm['step_s'][5]:.1f} s; profile store: cold "
-          f"{cold['profile_store']}, warm {warm['profile_store']}")
+    print(f"\n[fx-graph cache] cold {cold['compile_caches']}, without warm start "
+          f"{again['compile_caches']}, warm {warm['compile_caches']}; compile to the end of "
+          f"step 1: "
+          f"cold {cold['compile_to_first_step_end_s']:.1f} s, warm "
+          f"{warm['compile_to_first_step_end_s']:.1f} s; step 6: cold {cold['step_s'][5]:.1f} s, "
+          f"warm {warm['step_s'][5]:.1f} s; warm start {warm['warm_start']}")
     assert cold["compile_caches"] == {"fxgraph_cache_miss": 2, "fxgraph_cache_hit": 2}  # fw, bw
-    assert warm["compile_caches"] == {"fxgraph_cache_hit": 4}
-    assert cold["compile_cache_bypasses"] == [] and warm["compile_cache_bypasses"] == []
-    assert cold["profile_store"] == warm["profile_store"] == {"recorded": 0, "replayed": 0}
-    assert not (tmp_path / "profiles").exists()
-    assert warm["losses"] == cold["losses"]
-    assert warm["params"] == cold["params"]
+    assert again["compile_caches"] == {"fxgraph_cache_hit": 4}
+    assert warm["compile_caches"] == {"fxgraph_cache_hit": 2}  # the re-plan's graphs only
+    for r in (cold, again, warm):
+        assert r["compile_cache_bypasses"] == []
+        assert r["profile_store"] == {"recorded": 0, "replayed": 0}
+    assert listed == ["warm rank0"]  # the manifest alone, written after the re-plan
+    assert cold["warm_start"] == {"started": 0, "fell_back": 0, "manifests_written": 1,
+                                  "profiles_measured": 0}
+    assert again["warm_start"] == {"started": 0, "fell_back": 0, "manifests_written": 0,
+                                   "profiles_measured": 0}
+    assert warm["warm_start"]["started"] == 1 and warm["warm_start"]["fell_back"] == 0
+    assert _manifests(store) == listed
+    for r in (again, warm):
+        assert r["losses"] == cold["losses"]
+        assert r["params"] == cold["params"]
+
+
+@pytest.mark.deepspeed
+@needs_cpu_deepcompile
+def test_a_store_without_the_jobs_first_graph_compiles_and_re_plans_as_a_first_run(
+        tmp_path: Path) -> None:
+    # The store holds another job's re-plan: the warm start is tried (a manifest is there) and
+    # dropped at the first profile, whose graph has none; the run compiles its first cycle and
+    # re-plans at step 6 as without a store, and its own manifest then lets the next run start
+    # warm.
+    store, env = _cached_env(tmp_path)
+    _ok(run_alone("other", ["--model", "frozen-linear"], STEPS, env=env))
+    first = _ok(run_alone("first", ["--model", "reuse3"], STEPS, env=env))
+    second = _ok(run_alone("second", ["--model", "reuse3"], STEPS, env=env))
+    print(f"\n[warm start] first {first['warm_start']} {first['compile_caches']}, second "
+          f"{second['warm_start']} {second['compile_caches']}")
+    assert first["warm_start"] == {"started": 0, "fell_back": 1, "manifests_written": 1,
+                                   "profiles_measured": 0}
+    assert first["compile_caches"] == {"fxgraph_cache_miss": 2, "fxgraph_cache_hit": 2}
+    assert second["warm_start"]["started"] == 1
+    assert second["compile_caches"] == {"fxgraph_cache_hit": 2}
+    assert _manifests(store) == ["warm rank0", "warm rank0"]
+    assert second["losses"] == first["losses"]
+    assert second["params"] == first["params"]
+
+
+@pytest.mark.deepspeed
+@needs_cpu_deepcompile
+def test_a_warm_start_keeps_the_re_plans_params_gathered_in_one_call_per_graph(
+        tmp_path: Path) -> None:
+    # Two ranks (gloo), a LoRA Llama with non-reentrant checkpointing. The first run keeps every
+    # param gathered (--persist-all stands in for DeepCompile's memory policy, which keeps nothing
+    # on a CPU) and groups them at its re-plan; the second run is told nothing of that and gets
+    # it from the store's manifest: from step 0 its graphs reach the params with one
+    # gather_persistent call each, and it trains as the first.
+    store, env = _cached_env(tmp_path)
+    common = ["--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant",
+              "--count-ops"]
+    cold = _ok(run_together({"cold": (common + ["--persist-all"], STEPS)}, env=env,
+                            nprocs={"cold": 2})["cold"])
+    warm = _ok(run_together({"warm": (common, STEPS)}, env=env, nprocs={"warm": 2})["warm"])
+    print(f"\n[warm start] cold {cold['persistent_group']} {cold['compile_caches']}; warm "
+          f"{warm['warm_start']} {warm['persistent_group']} {warm['compile_caches']}; last step's "
+          f"op calls: warm {warm['op_calls_last_step']}")
+    assert _manifests(store) == ["warm rank0", "warm rank1"]
+    assert warm["warm_start"]["started"] == 1
+    assert warm["persistent_group"]["early_choices"] == 0  # nothing chosen: the store said it
+    assert warm["persistent_group"]["graphs"] == cold["persistent_group"]["graphs"]
+    assert warm["persistent_group"]["params"] == cold["persistent_group"]["params"] > 0
+    calls = warm["op_calls_last_step"]
+    assert calls == cold["op_calls_last_step"]
+    assert calls["ds_z3native::gather_persistent"] == warm["persistent_group"]["graphs"]
+    assert "dc::allgather_param" not in calls
+    # The re-plan's two graphs, no first cycle, both served by inductor's cache: the backward
+    # takes the CPU's random state, whose symbol torch named after the number of fake tensors
+    # alive (patch deepcompile-sourceless-symbols; without it the backward missed).
+    assert sum(warm["compile_caches"].values()) * 2 == sum(cold["compile_caches"].values())
+    assert warm["compile_caches"] == {"fxgraph_cache_hit": sum(warm["compile_caches"].values())}
+    _assert_same_training(warm, cold, rtol=1e-5, atol=1e-6)
+    for rank in warm["other_ranks"]:
+        assert rank["losses"] == warm["losses"]
 
 
 def test_reentrant_checkpointing_keeps_the_input_grad_hook() -> None:

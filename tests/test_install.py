@@ -258,9 +258,10 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
          "deepcompile-z3-unfrozen-guard", "deepcompile-hf-checkpoint-graph-breaks",
          "deepcompile-z3-eager-gather", "deepcompile-prefetch-budget",
          "deepcompile-canonical-graph-ids", "deepcompile-cache-checkpoint-rng",
-         "deepcompile-profile-store",
+         "deepcompile-sourceless-symbols", "deepcompile-profile-store", "deepcompile-warm-start",
          "deepcompile-kwargs-dependencies", "deepcompile-resume-schedule",
-         "deepcompile-persistent-group", "deepcompile-aot-partial-constructions", "deepcompile-cpu-device", "gloo-collectives-outside-python-dispatch",
+         "deepcompile-persistent-group", "deepcompile-aot-partial-constructions",
+         "deepcompile-cpu-device", "gloo-collectives-outside-python-dispatch",
          "zero3-coalesced-gather-waits-on-every-handle", "hf-trainer-zero3-flos",
          "engine-train-unchanged-mode", "engine-zero-grad-param-list"]
     _write_module(tmp_path, "dsz_test_patches_broken", "raise ImportError('half-written module')\n")

@@ -20,7 +20,7 @@ from ._native import DcNamespaceTaken, existing_dc_owner, load
 from . import settings
 from ._version import __version__
 from .settings import (GROUP_PERSISTENT_ENV, PERSISTENCE_BUDGET_ENV, PREFETCH_BUDGET_ENV,
-                       PROFILE_STORE_ENV, Settings)
+                       PROFILE_STORE_ENV, WARM_START_ENV, Settings)
 from .installer import (InstallError, InstallReport, UnsupportedDeepSpeed, UnverifiedPatchTarget,
                         install, installed, uninstall)
 
@@ -30,7 +30,8 @@ __all__ = ["native", "build_info", "current_graph_task_id", "DcNamespaceTaken",
            "set_persistence_budget",
            "PERSISTENCE_BUDGET_ENV", "set_prefetch_budget", "PREFETCH_BUDGET_ENV",
            "set_profile_store", "PROFILE_STORE_ENV", "set_group_persistent",
-           "GROUP_PERSISTENT_ENV", "Settings", "current_settings"]
+           "GROUP_PERSISTENT_ENV", "set_warm_start", "WARM_START_ENV", "Settings",
+           "current_settings"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -123,6 +124,25 @@ def set_group_persistent(enabled: bool) -> None:
     child processes read ``DS_Z3NATIVE_GROUP_PERSISTENT`` (1/0), the default. Use the same setting
     on every rank. ValueError naming this function for anything but a bool."""
     settings.update(group_persistent=settings.check_switch(enabled, "set_group_persistent"))
+
+
+def set_warm_start(enabled: bool) -> None:
+    """Whether a DeepCompile run whose profile store holds this job's re-plan starts from it
+    (``True``, the default) or compiles and re-plans as a first run does (``False``).
+
+    DeepCompile compiles every graph twice: at its first step with its gather and release pass
+    only, and at its re-plan (after the 5th step) from scratch with the prefetch and persistence
+    passes, on profiles taken then. With a profile store (:func:`set_profile_store`) a run records
+    what its re-plan chose; a later run of the same job (a restart, a resumed run) then compiles
+    the re-plan's graphs at its first step, from the stored profiles and inductor's cache, and
+    does not re-plan. If the store does not hold its first graph, the run compiles and re-plans
+    as a first run does. No effect without a profile store.
+
+    Read at DeepCompile's first step while ds_z3native is installed (patch
+    ``deepcompile-warm-start``). This process only: child processes read
+    ``DS_Z3NATIVE_WARM_START`` (1/0), the default. Use the same setting on every rank.
+    ValueError naming this function for anything but a bool."""
+    settings.update(warm_start=settings.check_switch(enabled, "set_warm_start"))
 
 
 def set_profile_store(directory: Optional[str | os.PathLike]) -> None:

@@ -4,7 +4,8 @@ grouping of persistent params' gathers.
 One :class:`Settings` value per process, held here and handed to those that use it: the native
 runtime (``_C.set_default_persistence_budget``, pushed by ``ds_z3native``), DeepCompile's
 prefetch pass (``compat.deepcompile_prefetch``), its profilers
-(``compat.deepcompile_profile_store``) and its re-plan (``compat.deepcompile_persistent``).
+(``compat.deepcompile_profile_store``), its re-plan (``compat.deepcompile_persistent``) and its
+warm start (``compat.deepcompile_warm_start``).
 
 The environment gives the defaults, read once: the first time a setting is needed in this
 process (loading the native module, ``install()``, a setter, or a consumer, whichever comes
@@ -28,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional
 
 __all__ = ["Settings", "PERSISTENCE_BUDGET_ENV", "PREFETCH_BUDGET_ENV", "PROFILE_STORE_ENV",
-           "GROUP_PERSISTENT_ENV", "MAX_BUDGET_MIB", "BUDGET_RANGE", "check_budget_mib",
+           "GROUP_PERSISTENT_ENV", "WARM_START_ENV", "MAX_BUDGET_MIB", "BUDGET_RANGE",
+           "check_budget_mib",
            "check_profile_store", "check_switch", "current",
            "subscribe", "update", "use"]
 
@@ -36,6 +38,7 @@ PERSISTENCE_BUDGET_ENV = "DS_Z3NATIVE_PERSISTENCE_BUDGET_MB"
 PREFETCH_BUDGET_ENV = "DS_Z3NATIVE_PREFETCH_BUDGET_MB"
 PROFILE_STORE_ENV = "DS_Z3NATIVE_PROFILE_STORE"
 GROUP_PERSISTENT_ENV = "DS_Z3NATIVE_GROUP_PERSISTENT"
+WARM_START_ENV = "DS_Z3NATIVE_WARM_START"
 _SWITCH_VALUES = {"1": True, "true": True, "on": True, "yes": True,
                   "0": False, "false": False, "off": False, "no": False}
 MAX_BUDGET_MIB = 1e12  # exclusive; far above any device, and still exact in int64 bytes
@@ -92,12 +95,16 @@ class Settings:
     # False: DeepCompile's re-plan keeps DeepSpeed's three dc op calls per use of a param kept
     # gathered (compat.deepcompile_persistent).
     group_persistent: bool = True
+    # False: with a profile store, DeepCompile still compiles a first cycle and re-plans
+    # (compat.deepcompile_warm_start).
+    warm_start: bool = True
 
     def __post_init__(self) -> None:
         check_budget_mib(self.persistence_budget_mib, "Settings.persistence_budget_mib")
         check_budget_mib(self.prefetch_budget_mib, "Settings.prefetch_budget_mib")
         check_profile_store(self.profile_store, "Settings.profile_store")
         check_switch(self.group_persistent, "Settings.group_persistent")
+        check_switch(self.warm_start, "Settings.warm_start")
 
     @property
     def persistence_budget_bytes(self) -> Optional[int]:
@@ -137,7 +144,8 @@ class Settings:
         return cls(persistence_budget_mib=budget(PERSISTENCE_BUDGET_ENV),
                    prefetch_budget_mib=budget(PREFETCH_BUDGET_ENV),
                    profile_store=Path(store) if store else None,
-                   group_persistent=switch(GROUP_PERSISTENT_ENV, True))
+                   group_persistent=switch(GROUP_PERSISTENT_ENV, True),
+                   warm_start=switch(WARM_START_ENV, True))
 
 
 _lock = threading.Lock()

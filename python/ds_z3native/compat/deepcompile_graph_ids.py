@@ -32,6 +32,15 @@ everything; only kernel-level caches help.
   ``torch._inductor.config.unsafe_marked_cacheable_functions`` with a value naming ds_z3native's
   and torch's versions (part of the cache key). The op's compiled code depends on nothing but the
   graph: the random state it replays is a runtime input. Where torch declares it, nothing changes.
+* :data:`DEEPCOMPILE_SOURCELESS_SYMBOLS` (every release): DeepSpeed's compile turns tensors that
+  Dynamo gave no source (a checkpointed region's saved CPU random state, 5,056 bytes) into fake
+  tensors with symbolic sizes, and torch names such a symbol after the number of fake tensors
+  still alive in the mode (``__meta_utils_unknown_tensor<N>``, then ``s<hash of that name>``):
+  a re-plan's compile and a first compile of the same graph differ there (measured on the CPU:
+  ``s70`` at the re-plan, ``s87`` at step 0), and inductor's key holds the name, so a graph
+  compiled at a re-plan was compiled again at a warm start's step 0. With the patch such a
+  tensor is named by its dtype and shape and how many like it the mode converted before, the
+  same at every compile of the same program. Named tensors are left as they are.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple
 
@@ -53,7 +63,9 @@ __all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "OWN_GRAPH_ID_ARG", "checkpoint_rn
            "mark_checkpoint_rng_cacheable",
            "canonical_graph_id", "uses_graph_id", "canonicalize_graph_ids", "cache_key_tag",
            "CacheBypassLog", "cache_bypasses", "patch_canonical_graph_ids",
-           "DEEPCOMPILE_CANONICAL_GRAPH_IDS", "DEEPCOMPILE_CACHE_CHECKPOINT_RNG", "PATCHES"]
+           "DEEPCOMPILE_CANONICAL_GRAPH_IDS", "DEEPCOMPILE_CACHE_CHECKPOINT_RNG",
+           "DEEPCOMPILE_SOURCELESS_SYMBOLS", "sourceless_name", "patch_sourceless_symbols",
+           "PATCHES"]
 
 log = logging.getLogger(__name__)
 
@@ -367,4 +379,53 @@ DEEPCOMPILE_CACHE_CHECKPOINT_RNG = Patch(
     wraps=("torch._inductor.config:unsafe_marked_cacheable_functions",),
 )
 
-PATCHES = [DEEPCOMPILE_CANONICAL_GRAPH_IDS, DEEPCOMPILE_CACHE_CHECKPOINT_RNG]
+# Per fake mode: how many tensors without a source of each dtype and shape it was given.
+_sourceless: "weakref.WeakKeyDictionary[Any, Dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
+def sourceless_name(mode: Any, tensor: Any) -> str:
+    """The name a tensor given to ``mode`` without a source gets: its dtype and shape and how
+    many such tensors the mode was given before."""
+    shape = "x".join(map(str, tensor.shape)) or "scalar"
+    kind = f"{str(tensor.dtype).replace('torch.', '')}_{shape}"
+    counts = _sourceless.setdefault(mode, {})
+    n = counts.get(kind, 0)
+    counts[kind] = n + 1
+    return f"__ds_z3native_sourceless_{kind}_{n}"
+
+
+def _naming_sourceless(from_tensor: Callable) -> Callable:
+    @functools.wraps(from_tensor)
+    def from_tensor_named(self: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("source") is None and not args and getattr(self, "shape_env", None) \
+                is not None and not kwargs.get("static_shapes", self.static_shapes):
+            from torch._dynamo.source import ConstantSource
+
+            kwargs["source"] = ConstantSource(sourceless_name(self, tensor))
+        return from_tensor(self, tensor, *args, **kwargs)
+
+    return from_tensor_named
+
+
+def patch_sourceless_symbols() -> Undo:
+    """Name the source-less tensors a fake mode converts with symbolic shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ._rebind import wrap_method
+
+    return wrap_method(FakeTensorMode, "from_tensor", _naming_sourceless)
+
+
+DEEPCOMPILE_SOURCELESS_SYMBOLS = Patch(
+    name="deepcompile-sourceless-symbols",
+    summary="a tensor DeepCompile's compile converts without a source gets a symbol named the "
+            "same at every compile of the same program (torch: after the count of fake tensors "
+            "alive), so inductor's cache serves a warm start the graphs of a re-plan",
+    apply=patch_sourceless_symbols,
+    first=Version("0.19.0"),
+    last=None,
+    wraps=("torch._subclasses.fake_tensor:FakeTensorMode.from_tensor",),
+)
+
+PATCHES = [DEEPCOMPILE_CANONICAL_GRAPH_IDS, DEEPCOMPILE_CACHE_CHECKPOINT_RNG,
+           DEEPCOMPILE_SOURCELESS_SYMBOLS]

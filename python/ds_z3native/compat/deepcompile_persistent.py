@@ -40,7 +40,8 @@ from ._rebind import when_module_imported
 from .deepcompile_schedule import wrap_launch_compile_passes
 
 __all__ = ["DEEPCOMPILE_PERSISTENT_GROUP", "PATCHES", "group_persistent_gathers",
-           "gather_persistent_op", "choose_persistent_early", "group_stats"]
+           "gather_persistent_op", "choose_persistent_early", "group_stats", "persistent_ids",
+           "early_choice"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ SELECTIVE_GATHER_MODULE = "deepspeed.compile.passes.selective_gather"
 _lowering_registered = False
 # What this process's re-plans did: early choices made, graphs grouped, params and dc op calls.
 _stats = {"early_choices": 0, "graphs": 0, "params": 0, "removed_calls": 0}
+# The params kept gathered after this process's last early choice (ds_ids, ascending).
+_early: List[int] = []
 
 
 def group_stats() -> Dict[str, int]:
@@ -58,6 +61,22 @@ def group_stats() -> Dict[str, int]:
     ``gather_persistent`` summed over them (``params``) and dc op nodes removed
     (``removed_calls``)."""
     return dict(_stats)
+
+
+def early_choice() -> List[int]:
+    """The params (ds_ids, ascending) kept gathered right after this process's last early
+    choice; empty before one."""
+    return list(_early)
+
+
+def persistent_ids(param_managers: Dict[int, Any]) -> List[int]:
+    """The ds_ids of the params of ``param_managers`` (DeepCompile's ``DSGraphParamManager`` per
+    graph) that the native runtime keeps gathered, ascending."""
+    from .. import _native
+
+    m = _native.load()
+    ids = {int(ds_id) for pm in param_managers.values() for ds_id in pm.ds_ids.values()}
+    return sorted(ds_id for ds_id in ids if m.param_state(ds_id)["persistent"])
 
 
 def gather_persistent_op() -> Any:
@@ -216,6 +235,10 @@ def group_persistent_gathers(gm: Any, graph_id: int, graph_order: Any, profiling
     return gm
 
 
+# A pass this package adds: no cycle label of the profile store names it.
+group_persistent_gathers.ds_z3native_label = None  # type: ignore[attr-defined]
+
+
 def choose_persistent_early(selective_gather: Callable, profiling_results: Dict[int, Any],
                             graph_order: List[Tuple[int, bool]], param_manager: Dict[int, Any]
                             ) -> bool:
@@ -254,6 +277,7 @@ def _launching_with_early_persistence(launch: Callable) -> Callable:
         if not enabled:
             return result
         if choose_persistent_early(selective_gather, profiles, order, managers):
+            _early[:] = persistent_ids(managers)
             backend.next_passes = list(backend.next_passes) + [group_persistent_gathers]
         else:
             log.info("DeepCompile re-plan at step %d: no complete first cycle to choose "

@@ -15,9 +15,11 @@ profile's device times are 0 and a second run hits.
   :mod:`ds_z3native.settings`, asked at each profile), each complete
   profile of a graph is written there under a fingerprint of the graph (node names, ops,
   targets, argument structure and tensor shapes; DeepSpeed and torch versions, device name,
-  process-group size), the how-manieth profile of that graph in the run it is (DeepCompile
-  profiles a graph again at its re-plan) and this process's global rank. A later profile of a
-  graph with the same fingerprint is replaced by the stored one when every rank of the
+  process-group size, and the compile cycle: the names of the passes DeepSpeed scheduled for it,
+  :func:`cycle_label`), the how-manieth profile of that graph and cycle it is, and this process's
+  global rank. Symbolic sizes enter the fingerprint with their symbols renamed in the order the
+  graph uses them (torch numbers them differently at a first compile and at a re-plan). A later
+  profile of a graph with the same fingerprint is replaced by the stored one when every rank of the
   profiler's process group has it (else every rank measures and writes its file anew): the
   scheduler then sees the figures of the first run and orders the graph the same way. The
   all-gather timings DeepCompile's prefetch pass fuses gathers by
@@ -27,7 +29,8 @@ profile's device times are 0 and a second run hits.
   the profiler's run (each node run 15 times, one or two collectives per node) is skipped, since
   DeepSpeed uses only what a profile leaves in the graph's nodes, not the outputs of that run.
   Without a store directory nothing changes. A stored profile is what the first run measured on
-  this hardware; delete the directory to measure again.
+  this hardware; delete the directory to measure again. The warm start
+  (``compat.deepcompile_warm_start``) hears of each profile through :func:`set_observer`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional
@@ -47,7 +51,8 @@ from .. import settings
 from . import Patch, Undo
 from ._rebind import undo_all, when_module_imported, wrap_function, wrap_method
 
-__all__ = ["PROFILE_MODULE", "COMM_PROFILE_MODULE", "NODE_KEYS",
+__all__ = ["PROFILE_MODULE", "COMM_PROFILE_MODULE", "NODE_KEYS", "LABEL_ATTR", "ProfileObserver",
+           "set_observer", "cycle_label", "profile_key", "occurrences_of",
            "profile_store", "graph_fingerprint", "store_stats", "reset_store_stats",
            "patch_profile_store", "DEEPCOMPILE_PROFILE_STORE", "PATCHES"]
 
@@ -58,7 +63,11 @@ COMM_PROFILE_MODULE = "deepspeed.compile.profilers.comm_profile"
 # What DeepSpeed's profilers write into each node's meta (the last two since 0.19.8).
 NODE_KEYS = ("device_time", "wall_time", "alloc_mem", "max_mem", "tensor_size", "profile_mem_start",
              "profile_mem_peak")
-_FORMAT = 1
+_FORMAT = 2
+BACKEND_MODULE = "deepspeed.compile.backend"
+# A pass's attribute naming the pass it stands for in a cycle's label (a str), or None for a pass
+# this package adds that no label names; a callable gives either, asked at each profile.
+LABEL_ATTR = "ds_z3native_label"
 
 _stats_lock = threading.Lock()
 _stats: Dict[str, int] = {"recorded": 0, "replayed": 0}
@@ -92,6 +101,55 @@ def _count(key: str) -> None:
         _stats[key] += 1
 
 
+class ProfileObserver:
+    """What is told of each profile the store sees (one observer per process:
+    :func:`set_observer`): :meth:`before` ahead of the key's computation (it may change the
+    cycle's label), :meth:`after` once the profile is replayed or taken."""
+
+    def before(self, kind: str, interp: Any, size: int) -> None:  # pragma: no cover - interface
+        """A ``kind`` profile of ``interp.graph`` in a profiler group of ``size`` ranks is next."""
+
+    def after(self, kind: str, key: str, replayed: bool) -> None:  # pragma: no cover - interface
+        """The profile under ``key`` was replayed from the store, or measured."""
+
+
+_observer: Optional[ProfileObserver] = None
+
+
+def set_observer(observer: Optional[ProfileObserver]) -> Optional[ProfileObserver]:
+    """Make ``observer`` the one told of each profile; returns the previous one."""
+    global _observer
+    previous, _observer = _observer, observer
+    return previous
+
+
+def _pass_label(fn: Any) -> Optional[str]:
+    label = getattr(fn, LABEL_ATTR, getattr(fn, "__name__", type(fn).__name__))
+    return label() if callable(label) else label
+
+
+def cycle_label(passes: Optional[Iterable[Any]] = None) -> str:
+    """The label of a compile cycle: the names of ``passes`` (default: the passes DeepSpeed runs
+    now, ``backend.next_passes``) joined by commas, each as :data:`LABEL_ATTR` gives it."""
+    if passes is None:
+        import sys
+
+        passes = getattr(sys.modules.get(BACKEND_MODULE), "next_passes", None) or []
+    return ",".join(label for label in map(_pass_label, passes) if label is not None)
+
+
+def profile_key(kind: str, graph: torch.fx.Graph, size: int) -> str:
+    """The store key of a ``kind`` profile of ``graph`` taken now by a profiler group of ``size``
+    ranks (without the occurrence)."""
+    return graph_fingerprint(kind, graph, [*_context(size), f"cycle {cycle_label()}"])
+
+
+def occurrences_of(key: str) -> int:
+    """How many profiles under ``key`` this process has taken or replayed."""
+    with _stats_lock:
+        return _occurrences.get(key, 0)
+
+
 def _occurrence(key: str) -> int:
     with _stats_lock:
         n = _occurrences.get(key, 0)
@@ -120,12 +178,26 @@ def _arg_shape(value: Any) -> Any:
     return type(value).__name__
 
 
-def _value_shape(node: torch.fx.Node) -> str:
+_SYMBOL = re.compile(r"\b[A-Za-z_]+\d+\b")
+
+
+def _value_shape(node: torch.fx.Node, symbols: Optional[Dict[str, str]] = None) -> str:
+    """A node's value shape and dtype. A symbolic size is written with its symbols renamed in
+    the order the graph first uses them (``symbols`` holds the renaming so far): the shape
+    environment numbers symbols by how many it has made in the process, which differs between
+    a first trace and a re-trace of the same program."""
     val = node.meta.get("val", node.meta.get("tensor_meta"))
     shape = getattr(val, "shape", None)
     if shape is None:
         return ""
-    return f"{tuple(int(s) if isinstance(s, int) else str(s) for s in shape)} {getattr(val, 'dtype', '')}"
+    names = symbols if symbols is not None else {}
+
+    def canonical(dim: Any) -> Any:
+        if isinstance(dim, int):
+            return int(dim)
+        return _SYMBOL.sub(lambda m: names.setdefault(m.group(0), f"sym{len(names)}"), str(dim))
+
+    return f"{tuple(canonical(s) for s in shape)} {getattr(val, 'dtype', '')}"
 
 
 def _digest(kind: str, context: List[str], lines: Iterable[str]) -> str:
@@ -136,8 +208,9 @@ def _digest(kind: str, context: List[str], lines: Iterable[str]) -> str:
 def graph_fingerprint(kind: str, graph: torch.fx.Graph, context: List[str]) -> str:
     """A digest of ``graph`` that two runs of the same program share: each node's name, op,
     target, argument structure and value shape, plus ``kind`` and ``context`` lines."""
+    symbols: Dict[str, str] = {}
     return _digest(kind, context, (json.dumps([n.op, n.name, _target_name(n.target), _arg_shape(n.args),
-                                               _arg_shape(n.kwargs), _value_shape(n)])
+                                               _arg_shape(n.kwargs), _value_shape(n, symbols)])
                                    for n in graph.nodes))
 
 
@@ -168,9 +241,13 @@ def _all_ranks_agree(mine: bool, size: int, device: Any, group: Any = None) -> b
         return mine
     import deepspeed.comm as ds_dist
 
-    flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
-    ds_dist.all_reduce(flag, op=ds_dist.ReduceOp.MIN, group=group)
-    return int(flag.item()) == 1
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    # Profilers run inside AOTAutograd's compile, under its fake mode: the flag must be real.
+    with unset_fake_temporarily():
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
+        ds_dist.all_reduce(flag, op=ds_dist.ReduceOp.MIN, group=group)
+        return int(flag.item()) == 1
 
 
 def _load(path: Path, kind: str) -> Optional[Dict[str, Any]]:
@@ -216,7 +293,9 @@ def _with_store(kind: str, complete: Callable[[Any, Any], bool], capture: Callab
             if store is None:
                 return run(self, *args)
             rank, size = _group_info(self)
-            key = graph_fingerprint(kind, self.graph, _context(size))
+            if _observer is not None:
+                _observer.before(kind, self, size)
+            key = profile_key(kind, self.graph, size)
             path = store / f"{kind}-{key[:32]}-{_occurrence(key)}.rank{rank}.json"
             stored = _load(path, kind)
             usable = stored is not None and _fits(self, stored)
@@ -226,6 +305,8 @@ def _with_store(kind: str, complete: Callable[[Any, Any], bool], capture: Callab
                                 getattr(self, "process_group", None)):
                 replay(self, stored)
                 _count("replayed")
+                if _observer is not None:
+                    _observer.after(kind, key, True)
                 log.info("DeepCompile profile store: %s profile of a %d-node graph replayed from "
                          "%s, the graph not run", kind, len(self.graph.nodes), path)
                 return None
@@ -237,6 +318,8 @@ def _with_store(kind: str, complete: Callable[[Any, Any], bool], capture: Callab
                 _count("recorded")
                 log.info("DeepCompile profile store: %s profile of a %d-node graph recorded in %s",
                          kind, len(self.graph.nodes), path)
+            if _observer is not None:
+                _observer.after(kind, key, False)
             return out
 
         return run_with_profile_store

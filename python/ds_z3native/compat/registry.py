@@ -8,6 +8,10 @@
 * ``deepcompile_prefetch``: DeepCompile's prefetch pass honours ``set_prefetch_budget``.
 * ``deepcompile_graph_ids``: DeepCompile's graphs reach inductor with run-independent graph ids
   (warm FX-graph cache hits across runs).
+* ``deepcompile_profile_store``: DeepCompile's graph profiles kept between runs.
+* ``deepcompile_warm_start``: with a store holding the job's re-plan, DeepCompile compiles the
+  re-plan's graphs at the first step (installed before the two below: they wrap the same
+  function around it, the resume shift first).
 * ``deepcompile_aot``: DeepSpeed 0.19.0's AotAutograd constructor patch tolerates AotAutograd
   objects built without its compilers.
 * ``deepcompile_schedule``: DeepCompile's scheduler sees keyword inputs (evaluation graphs),
@@ -48,6 +52,7 @@ PATCH_MODULES = (
     "ds_z3native.compat.deepcompile_prefetch",
     "ds_z3native.compat.deepcompile_graph_ids",
     "ds_z3native.compat.deepcompile_profile_store",
+    "ds_z3native.compat.deepcompile_warm_start",
     "ds_z3native.compat.deepcompile_schedule",
     "ds_z3native.compat.deepcompile_persistent",
     "ds_z3native.compat.deepcompile_aot",

@@ -1005,7 +1005,10 @@ def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[
     the baseline's step time and run label. A Trainer-driven run (``trainer-dc-ckpt``) also gets
     ``vs["own_loop"]``: its step time over that of our loop's run of the same variant
     (``dc-ckpt``), DeepSpeed version and invocation (``step_ratio``; 1.0: the trainer costs
-    nothing). Each ratio also names ``devices``: on how many GPUs the two runs' timed steps
+    nothing). Every run but ``plain`` also gets ``vs["plain"]`` where its invocation ran
+    ``plain`` (PyTorch without ZeRO and without checkpointing, the ceiling): its step time over
+    plain's (``step_ratio``; at most 1.0: as fast as unsharded PyTorch) and ``peak_ratio``.
+    Each ratio also names ``devices``: on how many GPUs the two runs' timed steps
     ran (2: one invocation's processes landed on two machines; None: not recorded).
 
     ``beside``: records kept next to the table's runs, in ``replaced``, without taking their
@@ -1083,6 +1086,17 @@ def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[
             kept = earlier[id(record)].get(base)
             if kept and run is not None and kept.get("run") == run:
                 record.setdefault("vs", {})[base] = kept  # against its own run's baseline
+        ref = same_run("plain", newest, run) if record.get("variant") != "plain" else None
+        kept = earlier[id(record)].get("plain")
+        if ref is not None:
+            record.setdefault("vs", {})["plain"] = {
+                "step_ratio": record["step_ms"]["median"] / ref["step_ms"]["median"],
+                "peak_ratio": (record["peak_gib"] / ref["peak_gib"]
+                               if ref.get("peak_gib") and record.get("peak_gib") else None),
+                "baseline_ms": ref["step_ms"]["median"], "run": run,
+                "devices": _machines(record, ref)}
+        elif kept and run is not None and kept.get("run") == run:
+            record.setdefault("vs", {})["plain"] = kept  # against its own run's plain
         own = TRAINER.get(record["variant"])  # a Trainer-driven run against our loop's
         ref = same_run(own, record["versions"]["deepspeed"], run) if own else None
         kept = earlier[id(record)].get("own_loop")

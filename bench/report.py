@@ -241,6 +241,13 @@ def _lora_speedup(r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -
                         and isinstance(ms, (int, float)) else "")
                      + (f", peak {peak:.2f}x" if isinstance(peak, (int, float)) else "")
                      + _other_gpu(ref))
+    plain = vs.get("plain") or {}
+    if isinstance(plain.get("step_ratio"), (int, float)):
+        ms = plain.get("baseline_ms")
+        parts.append(f"step time {plain['step_ratio']:.2f}x `plain`'s"
+                     + (f" of its run ({ms:.1f} ms)" if not _own_row("plain", r, runs)
+                        and isinstance(ms, (int, float)) else "")
+                     + _other_gpu(plain))
     own = vs.get("own_loop") or {}
     if isinstance(own.get("step_ratio"), (int, float)):
         ms = own.get("baseline_ms")
@@ -630,8 +637,40 @@ def _summary_lora(result: Mapping[str, Any]) -> List[List[str]]:
             f"{speedup:.2f}x faster" + (f", peak {peak:.2f}x" if isinstance(peak, (int, float))
                                         else ""),
             _measured(result, r, gpus=ws)])
+    rows += _summary_plain(result, size)
     rows += _summary_trainer(result, size)
     return rows
+
+
+def _summary_plain(result: Mapping[str, Any], size: str) -> List[List[str]]:
+    """The ds_z3native run with the lowest step time over plain PyTorch's (no ZeRO, no
+    checkpointing) of the same run (``vs["plain"]``), among the table's runs and those the file
+    keeps beside them (``replaced``: a profiled run); no row without such a ratio."""
+    records = list(result["runs"].items()) + [(f"{r.get('variant')}@", r)
+                                              for r in result.get("replaced") or []]
+    best: Optional[Tuple[float, str, Mapping[str, Any]]] = None
+    for key, r in records:
+        variant = run_variant(key, r) or r.get("variant")
+        ratio = ((r.get("vs") or {}).get("plain") or {}).get("step_ratio")
+        if (run_ok(r) and "ds_z3native" in _LORA_WHAT.get(variant, "")
+                and isinstance(ratio, (int, float)) and (best is None or ratio < best[0])):
+            best = (ratio, variant, r)
+    if best is None:
+        return []
+    ratio, variant, r = best
+    plain = r["vs"]["plain"]
+    peak = plain.get("peak_ratio")
+    ws = (r.get("setup") or {}).get("world_size") or 1
+    ckpt = (r.get("setup") or {}).get("checkpointing", "-")
+    return [[f"LoRA fine-tune step against unsharded PyTorch, {size}{ws} GPU"
+             f"{'' if ws == 1 else 's'}, checkpointing: {ckpt}",
+             f"`{variant}` ({_LORA_WHAT[variant]}): {_num(metric_value(r, 'step_ms'), '{:.1f}')} ms,"
+             f" {_num(r.get('peak_gib'), '{:.2f}')} GiB",
+             f"`plain` ({_LORA_WHAT['plain']}, no checkpointing): "
+             f"{_num(plain.get('baseline_ms'), '{:.1f}')} ms",
+             f"{ratio:.2f}x the step time" + (f", peak {peak:.2f}x" if isinstance(peak, (int, float))
+                                             else "") + _other_gpu(plain),
+             _measured(result, r, gpus=ws)]]
 
 
 def _summary_trainer(result: Mapping[str, Any], size: str) -> List[List[str]]:

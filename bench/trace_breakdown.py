@@ -9,11 +9,12 @@ and returns, per step:
 * ``launches``: kernel launches by kind (``nccl``, ``triton`` for inductor's generated kernels,
   ``gemm``, ``attention``, ``memcpy``, ``memset``, ``other``) and their ``total``; each launch is
   classified by the kernel it started (the runtime call and the kernel share a correlation id);
-* ``host_ms``: host time in the ``dc`` ops (``dc_ops``), in inductor's compiled graphs
+* ``host_ms``: host time in the DeepCompile ops (``dc_ops``: DeepSpeed's ``dc`` ops and
+  ds_z3native's ``ds_z3native::gather_persistent``), in inductor's compiled graphs
   (``compiled_graphs``: the ``## Call CompiledFxGraph`` spans), the part of the latter that is not
   ``dc`` ops (``graph_wrapper``: inductor's wrapper code and the kernels' launch calls), and in
   launch calls overall (``launch_calls``);
-* ``dc_calls``: calls per ``dc`` op.
+* ``dc_calls``: calls per DeepCompile op (by its name without the namespace).
 
 Host intervals are merged per thread before they are summed, so nested events are not counted
 twice; device intervals are merged per device.
@@ -32,6 +33,8 @@ LAUNCH_KINDS = ("nccl", "triton", "gemm", "attention", "memcpy", "memset", "othe
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 RUNTIME_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 COMPILED_GRAPH = "## Call CompiledFxGraph"
+# The namespaces of the ops DeepCompile's graphs call: DeepSpeed's and ours (gather_persistent).
+DC_OP_PREFIXES = ("dc::", "ds_z3native::")
 
 Interval = Tuple[float, float]
 
@@ -129,7 +132,7 @@ def breakdown(trace: Mapping[str, Any], steps: int, step_ms: Sequence[float]) ->
         launches[kind] += 1
 
     dc_events = [e for e in events if e.get("cat") == "cpu_op"
-                 and str(e.get("name", "")).startswith("dc::")]
+                 and str(e.get("name", "")).startswith(DC_OP_PREFIXES)]
     graphs = [e for e in events if str(e.get("name", "")).startswith(COMPILED_GRAPH)]
     dc_by_thread, graph_by_thread = _by_thread(dc_events), _by_thread(graphs)
     dc_us = sum(union_length(iv) for iv in dc_by_thread.values())

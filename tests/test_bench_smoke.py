@@ -216,13 +216,17 @@ def test_summary_takes_each_baselines_best_variant_of_the_same_run(tmp_path: Pat
            record("dc-upstream", 100.0, 6.0, "2026-03-03T00:00:00+00:00", no)], out)
     summary = report.render_summary(report.load_results(results))
     rows = [ln for ln in summary.splitlines() if ln.startswith("| LoRA")]
-    assert len(rows) == 2, summary
-    ckpt_row, plain_row = rows
+    assert len(rows) == 3, summary
+    ckpt_row, plain_row, ceiling_row = rows
     assert "checkpointing: non-reentrant" in ckpt_row and "`dc-ckpt`" in ckpt_row
     assert "100.0 ms, 4.40 GiB" in ckpt_row and "`upstream`" in ckpt_row and "900.0 ms" in ckpt_row
     assert "| 9.00x faster, peak 1.10x | 2026-02-02, 1 x NVIDIA H200 |" in ckpt_row
     assert "checkpointing: none" in plain_row and "`dc`" in plain_row and "`plain`" not in plain_row
     assert "3.00x faster, peak 0.75x" in plain_row and "0.96 B Llama, 1 GPU," in plain_row
+    # Against plain PyTorch of the same run: the ds_z3native run closest to it (dc-ckpt 2.00x,
+    # dc 4.00x).
+    assert "against unsharded PyTorch" in ceiling_row and "`dc-ckpt`" in ceiling_row
+    assert "| 2.00x the step time, peak 0.44x |" in ceiling_row
 
 
 def test_report_keeps_the_committed_tables_and_summary() -> None:
@@ -1220,6 +1224,38 @@ def test_records_kept_beside_the_table_get_ratios_without_taking_its_rows(tmp_pa
     assert len(merged["replaced"]) == 2
     merged = merge([record("dc", 120.0, None)], out)
     assert "upstream" not in (merged["runs"]["dc@0.19.8"].get("vs") or {})
+
+
+def test_a_run_is_measured_against_unsharded_pytorch_of_its_own_run(tmp_path: Path) -> None:
+    """``plain`` (no ZeRO, no checkpointing) is the ceiling: every run of its invocation gets its
+    step time over plain's, a profiled run kept beside the table too; the README's summary shows
+    the ds_z3native run closest to it, and nothing where no run has plain beside it."""
+    from bench import report
+    from bench.lora_llama import merge
+
+    def record(variant: str, median: float, run: str) -> Path:
+        return _lora_record(tmp_path, variant, median, run)
+
+    out = tmp_path / "lora_llama.json"
+    merged = merge([record("upstream", 900.0, "a"), record("dc-ckpt", 100.0, "a")], out)
+    assert not [r for r in report._summary_lora(merged) if "unsharded" in r[0]]
+    merged = merge([record("plain", 120.0, "b")], out, beside=[record("dc-ckpt", 108.0, "b")])
+    runs = merged["runs"]
+    assert "plain" not in runs["plain@0.19.8"].get("vs", {})
+    assert "plain" not in runs["dc-ckpt@0.19.8"].get("vs", {})  # run "a" has no plain
+    (kept,) = [r for r in merged["replaced"] if r["run"] == "b"]
+    assert kept["vs"]["plain"] == {"step_ratio": pytest.approx(0.9), "peak_ratio": 1.0,
+                                   "baseline_ms": 120.0, "run": "b", "devices": None}
+    (row,) = [r for r in report._summary_lora(merged) if "unsharded" in r[0]]
+    assert row[1].startswith("`dc-ckpt` (DeepCompile + ds_z3native): 108.0 ms")
+    assert row[2].startswith("`plain`") and "120.0 ms" in row[2]
+    assert row[3] == "0.90x the step time, peak 1.00x"
+    # Another invocation's plain takes the table's row: the ratio of run "b" stays.
+    merged = merge([record("plain", 90.0, "c")], out)
+    (kept,) = [r for r in merged["replaced"] if r["run"] == "b" and r["variant"] == "dc-ckpt"]
+    assert kept["vs"]["plain"]["baseline_ms"] == 120.0
+    rows = {ln.split("|")[1].strip(): ln for ln in report._lora(merged) if ln.startswith("| ")}
+    assert "`plain`" not in rows["dc-ckpt"]
 
 
 def test_persistent_group_table_and_summary_compare_with_the_same_runs_ungrouped_step(

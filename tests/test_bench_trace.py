@@ -54,6 +54,8 @@ def test_breakdown_of_two_steps() -> None:
         events.append(_x("dc::allgather_param", "cpu_op", t0 + 15, 20.0))  # nested: not again
         events.append(_x("dc::release_param", "cpu_op", t0 + 100, 60.0))
         events.append(_x("dc::reduce_grad", "cpu_op", t0 + 500, 50.0, tid=2))
+        # ds_z3native's grouped gather of the params kept gathered (30 us) counts as a dc op.
+        events.append(_x("ds_z3native::gather_persistent", "cpu_op", t0 + 200, 30.0))
         events += _launch(t0 + 20, corr=10 * step + 1)
         events += _launch(t0 + 30, corr=10 * step + 2)
         events += _launch(t0 + 40, corr=10 * step + 3)
@@ -77,11 +79,12 @@ def test_breakdown_of_two_steps() -> None:
     assert split["device_busy_share"] == pytest.approx(0.4)
     assert split["launches"] == {"nccl": 1.0, "triton": 1.0, "gemm": 1.0, "attention": 0.0,
                                  "memcpy": 1.0, "memset": 0.0, "other": 0.0, "total": 4.0}
-    assert split["host_ms"]["dc_ops"] == pytest.approx(0.15)  # 40 + 60 + 50, nested once
+    assert split["host_ms"]["dc_ops"] == pytest.approx(0.18)  # 40 + 60 + 30 + 50, nested once
     assert split["host_ms"]["compiled_graphs"] == pytest.approx(0.3)
-    assert split["host_ms"]["graph_wrapper"] == pytest.approx(0.2)  # 300 - 40 - 60
+    assert split["host_ms"]["graph_wrapper"] == pytest.approx(0.17)  # 300 - 40 - 60 - 30
     assert split["host_ms"]["launch_calls"] == pytest.approx(0.02)
-    assert split["dc_calls"] == {"allgather_param": 2.0, "reduce_grad": 1.0, "release_param": 1.0}
+    assert split["dc_calls"] == {"allgather_param": 2.0, "gather_persistent": 1.0,
+                                 "reduce_grad": 1.0, "release_param": 1.0}
 
 
 def test_a_cpu_trace_has_no_device_share() -> None:

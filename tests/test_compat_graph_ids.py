@@ -505,3 +505,70 @@ def test_install_marks_the_op_on_a_torch_that_does_not_declare_it(
     finally:
         undo()
     assert not gid.checkpoint_rng_op().cacheable()
+
+
+def _generator_keys(pickler_table_without_generators: bool = False) -> Tuple[bytes, bytes]:
+    """How inductor's cache pickler writes one CPU generator before and after a random draw."""
+    from torch._inductor.codecache import FxGraphCachePickler
+
+    generator = torch.Generator().manual_seed(7)
+    pickler = FxGraphCachePickler(fx.GraphModule(torch.nn.Module(), fx.Graph()))
+    if pickler_table_without_generators:
+        pickler.dispatch_table.pop(torch.Generator, None)
+    before = pickler.dumps(generator)
+    torch.rand(4, generator=generator)
+    return before, pickler.dumps(generator)
+
+
+def test_a_generator_is_keyed_by_its_state_without_the_patch() -> None:
+    # What torch 2.11 does with the clone of the CUDA generator a checkpointed graph takes.
+    before, after = _generator_keys(pickler_table_without_generators=True)
+    assert before != after
+
+
+def test_the_patch_keys_a_generator_by_its_device_and_undoes() -> None:
+    from torch._inductor.codecache import FxGraphCachePickler, compiled_fx_graph_hash
+
+    original = FxGraphCachePickler.__dict__["__init__"]
+    undo = gid.patch_generator_cache_key()
+    try:
+        before, after = _generator_keys()
+        assert before == after
+        assert b"generator_cache_key" in before and b"cpu" in before  # the device, no state
+        # The whole key of a graph that takes a generator, as inductor computes it.
+        graph = fx.Graph()
+        graph.output(graph.placeholder("fwd_rng_state_0"))
+        gm = fx.GraphModule(torch.nn.Module(), graph)
+        generator = torch.Generator().manual_seed(7)
+        key = compiled_fx_graph_hash(gm, [generator], {}, [])[0]
+        torch.rand(4, generator=generator)
+        assert compiled_fx_graph_hash(gm, [generator], {}, [])[0] == key
+    finally:
+        undo()
+    assert FxGraphCachePickler.__dict__["__init__"] is original
+
+
+def test_torchs_own_reducer_for_generators_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    import copyreg
+
+    from torch._inductor.codecache import FxGraphCachePickler
+
+    def torchs(generator: torch.Generator) -> Tuple[type, Tuple[str]]:
+        return str, ("torch's own",)
+
+    monkeypatch.setitem(copyreg.dispatch_table, torch.Generator, torchs)
+    undo = gid.patch_generator_cache_key()
+    try:
+        pickler = FxGraphCachePickler(fx.GraphModule(torch.nn.Module(), fx.Graph()))
+        assert pickler.dispatch_table[torch.Generator] is torchs
+    finally:
+        undo()
+
+
+def test_the_generator_key_patch_is_installed_for_every_release() -> None:
+    names = [p.name for p in gid.PATCHES]
+    patch = gid.PATCHES[names.index("deepcompile-generator-cache-key")]
+    assert patch.targets(Version("0.19.0")) and patch.targets(Version("0.19.8"))
+    assert patch.wraps == ("torch._inductor.codecache:FxGraphCachePickler.__init__",)
+    assert names.index("deepcompile-generator-cache-key") == \
+        names.index("deepcompile-cache-checkpoint-rng") + 1

@@ -70,6 +70,9 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         ("deepspeed.compile.inductor", "patch_compiler",
          ("original_compiler", "dc_compiler", "z3_partition", "graph_id"))],
     "deepcompile-cache-checkpoint-rng": [],  # a torch config table: see tests/test_compat_graph_ids.py
+    # torch's: the wrapper passes every argument on and edits the pickler's dispatch_table after.
+    "deepcompile-generator-cache-key": [
+        ("torch._inductor.codecache", "FxGraphCachePickler.__init__", ("self",))],
     # torch's: the source is passed by keyword, as DeepSpeed's and AOTAutograd's callers do.
     "deepcompile-sourceless-symbols": [
         ("torch._subclasses.fake_tensor", "FakeTensorMode.from_tensor", ("self", "tensor"))],

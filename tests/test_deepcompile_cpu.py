@@ -315,7 +315,7 @@ def test_reentrant_checkpointing_keeps_the_input_grad_hook() -> None:
 
     model, _ = build_lora_llama(MODEL_SIZES["tiny"])
     assert checkpoint_modes(model) == [] and remove_checkpoint_graph_breaks(model) == \
-        {"removed_hooks": [], "use_cache_off": []}
+        {"removed_hooks": [], "use_cache_off": [], "kernel_routing_off": []}
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     emb = model.get_input_embeddings()
     hooks = dict(emb._forward_hooks)
@@ -328,6 +328,38 @@ def test_reentrant_checkpointing_keeps_the_input_grad_hook() -> None:
     assert set(remove_checkpoint_graph_breaks(model)["removed_hooks"]) == \
         {"base_model.model.model.embed_tokens"}
     assert not emb._forward_hooks
+
+
+def test_attention_runs_without_the_kernels_routing_wrapper_when_nothing_was_kernelized() -> None:
+    # transformers 5.25 puts the kernels package's per-instance routing wrapper on its attention
+    # layers; it writes a context variable, which Dynamo cannot do inside a checkpointed region:
+    # every checkpointed layer fell back to eager (EagerTrainableParam under DeepCompile).
+    import torch
+
+    from ds_z3native.compat.hf_graph_breaks import remove_checkpoint_graph_breaks
+    from ds_z3native.models import MODEL_SIZES, build_lora_llama
+
+    model, _ = build_lora_llama(MODEL_SIZES["tiny"])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    attn = [(n, m) for n, m in model.named_modules() if type(m).__name__ == "LlamaAttention"]
+    def routing(code: object) -> bool:  # the kernels package's wrapper (co_qualname: Python 3.11+)
+        name = getattr(code, "co_qualname", None) or getattr(code, "co_name", "")
+        return "use_kernelized_func" in name or (
+            name == "new_forward" and "kernels" in getattr(code, "co_filename", ""))
+
+    wrapped = [n for n, m in attn if routing(type(m).forward.__code__)]
+    print(f"\n[kernels routing] {len(wrapped)} of {len(attn)} attention layers wrapped")
+    ids = torch.randint(0, 64, (1, 8))
+    model.eval()
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    done = remove_checkpoint_graph_breaks(model)
+    assert done["kernel_routing_off"] == wrapped  # every wrapped attention layer, nothing else
+    for name, module in attn:
+        assert ("forward" in module.__dict__) == (name in wrapped)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)  # the routing changed nothing
+    assert remove_checkpoint_graph_breaks(model)["kernel_routing_off"] == []  # once
 
 
 @pytest.mark.deepspeed

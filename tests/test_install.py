@@ -258,7 +258,7 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
          "deepcompile-z3-unfrozen-guard", "deepcompile-hf-checkpoint-graph-breaks",
          "deepcompile-z3-eager-gather", "deepcompile-prefetch-budget",
          "deepcompile-canonical-graph-ids", "deepcompile-cache-checkpoint-rng",
-         "deepcompile-sourceless-symbols", "deepcompile-profile-store", "deepcompile-warm-start",
+         "deepcompile-generator-cache-key", "deepcompile-sourceless-symbols", "deepcompile-profile-store", "deepcompile-warm-start",
          "deepcompile-kwargs-dependencies", "deepcompile-resume-schedule",
          "deepcompile-persistent-group", "deepcompile-aot-partial-constructions",
          "deepcompile-cpu-device", "gloo-collectives-outside-python-dispatch",

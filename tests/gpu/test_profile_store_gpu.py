@@ -68,8 +68,10 @@ def test_a_second_run_starts_warm_from_the_store_and_is_served_by_inductors_cach
     assert 0 < warm["profile_store"]["replayed"] < cold["profile_store"]["recorded"]
     assert sum(warm["compile_caches"].values()) * 2 == compiled
     _close_runs(warm, cold)
-    # Served by inductor's cache, the checkpointed backward too (its random state's symbol is
-    # named the same at a re-plan and at step 0: patch deepcompile-sourceless-symbols).
+    # Served by inductor's cache, the checkpointed graphs too: their CPU random state's symbol is
+    # named the same at a re-plan and at step 0 (patch deepcompile-sourceless-symbols), and the
+    # CUDA generator they take is keyed by its device, not by the state it had at the re-plan
+    # (patch deepcompile-generator-cache-key).
     assert warm["compile_caches"] == {"fxgraph_cache_hit": compiled // 2}
 
 

@@ -32,6 +32,15 @@ everything; only kernel-level caches help.
   ``torch._inductor.config.unsafe_marked_cacheable_functions`` with a value naming ds_z3native's
   and torch's versions (part of the cache key). The op's compiled code depends on nothing but the
   graph: the random state it replays is a runtime input. Where torch declares it, nothing changes.
+* :data:`DEEPCOMPILE_GENERATOR_CACHE_KEY` (every release): those checkpointed graphs take the
+  CUDA generator as an input, and AOTAutograd hands inductor a clone of it as the example input.
+  torch releases that do not treat a generator as an opaque reference (2.11) pickle that clone,
+  seed and offset included, into the FX-graph cache key, so a graph compiled after some random
+  draws (at DeepCompile's re-plan, step 6) never matched the same graph compiled at step 0 (a
+  warm start): measured on one H200 at 16 layers, the warm start's two checkpointed graphs
+  missed the cache its cold run had filled at the re-plan, while a third run's hit the second's.
+  With the patch, inductor's (and AOTAutograd's) cache pickler reduces a generator to its
+  device; where torch has its own reducer for generators, that one stays.
 * :data:`DEEPCOMPILE_SOURCELESS_SYMBOLS` (every release): DeepSpeed's compile turns tensors that
   Dynamo gave no source (a checkpointed region's saved CPU random state, 5,056 bytes) into fake
   tensors with symbolic sizes, and torch names such a symbol after the number of fake tensors
@@ -64,6 +73,7 @@ __all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "OWN_GRAPH_ID_ARG", "checkpoint_rn
            "canonical_graph_id", "uses_graph_id", "canonicalize_graph_ids", "cache_key_tag",
            "CacheBypassLog", "cache_bypasses", "patch_canonical_graph_ids",
            "DEEPCOMPILE_CANONICAL_GRAPH_IDS", "DEEPCOMPILE_CACHE_CHECKPOINT_RNG",
+           "DEEPCOMPILE_GENERATOR_CACHE_KEY", "generator_cache_key", "patch_generator_cache_key",
            "DEEPCOMPILE_SOURCELESS_SYMBOLS", "sourceless_name", "patch_sourceless_symbols",
            "PATCHES"]
 
@@ -379,6 +389,57 @@ DEEPCOMPILE_CACHE_CHECKPOINT_RNG = Patch(
     wraps=("torch._inductor.config:unsafe_marked_cacheable_functions",),
 )
 
+def generator_cache_key(device: str) -> str:
+    """What a ``torch.Generator`` stands for in inductor's cache keys (see
+    :func:`patch_generator_cache_key`): its device, never its state. Only hashed, never called
+    back: the callable a pickled generator names."""
+    return f"torch.Generator({device})"
+
+
+def _reduce_generator(generator: Any) -> Tuple[Callable[[str], str], Tuple[str]]:
+    return generator_cache_key, (str(generator.device),)
+
+
+def _keying_generators_by_device(init: Callable) -> Callable:
+    def init_keying_generators(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        import torch
+
+        table = getattr(self, "dispatch_table", None)
+        if isinstance(table, dict):  # torch's own reducer for generators, where it has one, wins
+            table.setdefault(torch.Generator, _reduce_generator)
+
+    return init_keying_generators
+
+
+def patch_generator_cache_key() -> Undo:
+    """Key a ``torch.Generator`` in inductor's (and AOTAutograd's) cache keys by its device.
+
+    With checkpointing on CUDA, AOTAutograd hands the compiled graphs a clone of the CUDA
+    generator as an example input (graph-safe RNG functionalization: the graph takes the
+    generator at run time), and torch releases that do not treat generators as opaque references
+    pickle that clone, seed and offset included, into the cache key: a graph compiled after some
+    random draws (DeepCompile's re-plan) then never matches the same graph compiled at step 0 (a
+    warm start). The compiled code reads the generator's state when it runs, so the state at
+    compile time is no part of what was compiled."""
+    from torch._inductor.codecache import FxGraphCachePickler
+
+    from ._rebind import wrap_method
+
+    return wrap_method(FxGraphCachePickler, "__init__", _keying_generators_by_device)
+
+
+DEEPCOMPILE_GENERATOR_CACHE_KEY = Patch(
+    name="deepcompile-generator-cache-key",
+    summary="inductor's cache keys name a random generator the compiled graph takes (a "
+            "checkpointed graph's on CUDA) by its device, not its state at compile time, so a "
+            "warm start's graphs match those its re-plan compiled after some random draws",
+    apply=patch_generator_cache_key,
+    first=Version("0.19.0"),
+    last=None,
+    wraps=("torch._inductor.codecache:FxGraphCachePickler.__init__",),
+)
+
 # Per fake mode: how many tensors without a source of each dtype and shape it was given.
 _sourceless: "weakref.WeakKeyDictionary[Any, Dict[str, int]]" = weakref.WeakKeyDictionary()
 
@@ -428,4 +489,4 @@ DEEPCOMPILE_SOURCELESS_SYMBOLS = Patch(
 )
 
 PATCHES = [DEEPCOMPILE_CANONICAL_GRAPH_IDS, DEEPCOMPILE_CACHE_CHECKPOINT_RNG,
-           DEEPCOMPILE_SOURCELESS_SYMBOLS]
+           DEEPCOMPILE_GENERATOR_CACHE_KEY, DEEPCOMPILE_SOURCELESS_SYMBOLS]

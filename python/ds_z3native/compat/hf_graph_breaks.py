@@ -14,7 +14,13 @@ forward logs ``use_cache=True is incompatible with gradient checkpointing`` thro
 * :data:`HF_CHECKPOINT_GRAPH_BREAKS` (every release): ``engine.compile()`` with DeepCompile first
   removes the input-require-grads hooks when every checkpointed layer is non-reentrant, and sets
   ``config.use_cache = False`` on checkpointed models (what transformers does on the first
-  training forward). Each change is logged; reentrant checkpointing is left as it is. The
+  training forward). On checkpointed models, a layer whose class carries the ``kernels``
+  package's per-instance routing wrapper (``use_kernelized_func``: transformers 5.25 puts it on
+  its attention layers) and whose kernel functions were not replaced (no ``kernelize()``) gets
+  its unwrapped forward as an instance attribute: the wrapper routes to the same functions and
+  writes a context variable, which Dynamo refuses inside a checkpointed region ("HOP: Unsafe side
+  effect"), so every checkpointed layer ran eagerly. Each change is logged; reentrant
+  checkpointing is left as it is. The
   user's ``use_cache`` is what the config saves (``save_pretrained``, ``to_dict``): a model
   trained here and saved generates with its cache when loaded.
 
@@ -29,8 +35,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
 import weakref
-from typing import Any, Callable, Dict, List, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from packaging.version import Version
 
@@ -65,13 +72,47 @@ def checkpoint_modes(model: Any) -> List[str]:
     return modes
 
 
+def _unkernelized_routing_forward(module: Any) -> Optional[Callable]:
+    """The forward under the ``kernels`` package's per-instance routing wrapper of ``module``
+    (``use_kernelized_func``, which transformers puts on attention layers), where the module's
+    kernel functions were not replaced (``kernelize()``), so the routing changes nothing; else
+    None."""
+    forward = type(module).__dict__.get("forward")
+    original = getattr(forward, "__wrapped__", None)
+    code = getattr(forward, "__code__", None)
+    if original is None or code is None or "use_kernelized_func" not in getattr(
+            code, "co_qualname", f"use_kernelized_func.{code.co_name}"
+            if "kernels" in code.co_filename and code.co_name == "new_forward" else ""):
+        return None
+    funcs = module.__dict__.get("_kernel_funcs")
+    if not isinstance(funcs, dict):
+        return None
+    for func in funcs.values():
+        bound = getattr(func, "forward", None)
+        if getattr(bound, "__func__", None) is not type(func).__dict__.get("forward"):
+            return None  # kernelized: a hub kernel's forward was put in place
+    return original
+
+
 def remove_checkpoint_graph_breaks(model: Any) -> Dict[str, Any]:
     """Removes from ``model`` what breaks Dynamo graphs under non-reentrant checkpointing; returns
-    what was done (``removed_hooks``: module names, ``use_cache_off``: config owners)."""
-    done: Dict[str, Any] = {"removed_hooks": [], "use_cache_off": []}
+    what was done (``removed_hooks``: module names, ``use_cache_off``: config owners,
+    ``kernel_routing_off``: modules that run their forward without the routing wrapper)."""
+    done: Dict[str, Any] = {"removed_hooks": [], "use_cache_off": [], "kernel_routing_off": []}
     modes = checkpoint_modes(model)
     if not modes:
         return done
+    for name, module in model.named_modules():
+        original = _unkernelized_routing_forward(module)
+        if original is not None and "forward" not in module.__dict__:
+            module.forward = types.MethodType(original, module)
+            done["kernel_routing_off"].append(name or "<root>")
+    if done["kernel_routing_off"]:
+        log.info("gradient checkpointing: %d module(s) (%s, ...) run their forward without the "
+                 "kernels package's routing wrapper, which changes nothing for a model whose "
+                 "kernels were not replaced and whose context-variable writes Dynamo cannot trace "
+                 "inside a checkpointed region", len(done["kernel_routing_off"]),
+                 done["kernel_routing_off"][0])
     if set(modes) == {"non-reentrant"}:
         for name, module in model.named_modules():
             for key, hook in list(module._forward_hooks.items()):

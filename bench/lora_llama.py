@@ -1071,42 +1071,44 @@ def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[
     earlier = {id(r): r.pop("vs", None) or {} for r in targets}
     newest = max((k.split("@")[1] for k in ok), default=None,
                  key=lambda v: Version(v).release)
+    def ms(r: Mapping[str, Any]) -> float:
+        return r["step_ms"]["median"]
+
+    def attach(record: Dict[str, Any], name: str, ref: Optional[Mapping[str, Any]],
+               ratios: Callable[[Mapping[str, Any], Mapping[str, Any]], Dict[str, Any]]) -> None:
+        """``record["vs"][name]``: ``ratios(record, ref)`` with the baseline's step time, run
+        label and GPU count where the record's invocation has the baseline ``ref``; else the
+        ratio the record had against its own invocation's baseline, if it had one."""
+        run = record.get("run")
+        if ref is not None:
+            record.setdefault("vs", {})[name] = {
+                **ratios(record, ref), "baseline_ms": ms(ref), "run": run,
+                "devices": _machines(record, ref)}
+            return
+        kept = earlier[id(record)].get(name)
+        if kept and run is not None and kept.get("run") == run:
+            record.setdefault("vs", {})[name] = kept  # against its own run's baseline
+
+    def speedup(r: Mapping[str, Any], ref: Mapping[str, Any]) -> Dict[str, Any]:
+        return {"speedup": ms(ref) / ms(r),
+                "peak_ratio": r["peak_gib"] / ref["peak_gib"] if ref.get("peak_gib") else None}
+
+    def against_plain(r: Mapping[str, Any], ref: Mapping[str, Any]) -> Dict[str, Any]:
+        return {"step_ratio": ms(r) / ms(ref),
+                "peak_ratio": (r["peak_gib"] / ref["peak_gib"]
+                               if ref.get("peak_gib") and r.get("peak_gib") else None)}
+
     for record in targets:
         run = record.get("run")
         for base in ("upstream", "none"):
-            ref = same_run(base, newest, run)
-            if ref is not None:
-                record.setdefault("vs", {})[base] = {
-                    "speedup": ref["step_ms"]["median"] / record["step_ms"]["median"],
-                    "peak_ratio": (record["peak_gib"] / ref["peak_gib"]
-                                   if ref.get("peak_gib") else None),
-                    "baseline_ms": ref["step_ms"]["median"], "run": run,
-                    "devices": _machines(record, ref)}
-                continue
-            kept = earlier[id(record)].get(base)
-            if kept and run is not None and kept.get("run") == run:
-                record.setdefault("vs", {})[base] = kept  # against its own run's baseline
-        ref = same_run("plain", newest, run) if record.get("variant") != "plain" else None
-        kept = earlier[id(record)].get("plain")
-        if ref is not None:
-            record.setdefault("vs", {})["plain"] = {
-                "step_ratio": record["step_ms"]["median"] / ref["step_ms"]["median"],
-                "peak_ratio": (record["peak_gib"] / ref["peak_gib"]
-                               if ref.get("peak_gib") and record.get("peak_gib") else None),
-                "baseline_ms": ref["step_ms"]["median"], "run": run,
-                "devices": _machines(record, ref)}
-        elif kept and run is not None and kept.get("run") == run:
-            record.setdefault("vs", {})["plain"] = kept  # against its own run's plain
+            attach(record, base, same_run(base, newest, run), speedup)
+        attach(record, "plain",
+               same_run("plain", newest, run) if record.get("variant") != "plain" else None,
+               against_plain)
         own = TRAINER.get(record["variant"])  # a Trainer-driven run against our loop's
-        ref = same_run(own, record["versions"]["deepspeed"], run) if own else None
-        kept = earlier[id(record)].get("own_loop")
-        if ref is not None:
-            record.setdefault("vs", {})["own_loop"] = {
-                "variant": own, "step_ratio": record["step_ms"]["median"] / ref["step_ms"]["median"],
-                "baseline_ms": ref["step_ms"]["median"], "run": run,
-                "devices": _machines(record, ref)}
-        elif kept and run is not None and kept.get("run") == run:
-            record.setdefault("vs", {})["own_loop"] = kept  # against its own run's loop
+        attach(record, "own_loop",
+               same_run(own, record["versions"]["deepspeed"], run) if own else None,
+               lambda r, ref: {"variant": own, "step_ratio": ms(r) / ms(ref)})
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     return merged

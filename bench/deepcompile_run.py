@@ -296,6 +296,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         result["install"] = ds_z3native.install().__dict__
         if args.no_group_persistent:
             ds_z3native.set_group_persistent(False)
+        if args.single_cycle:
+            ds_z3native.set_single_cycle(True)
     bf16 = args.dtype == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     deepcompile = args.mode == "deepcompile"
@@ -477,6 +479,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "param gathered (DeepCompile's own policy keeps none on a CPU)")
     parser.add_argument("--no-group-persistent", action="store_true",
                         help="with ds_z3native: ds_z3native.set_group_persistent(False)")
+    parser.add_argument("--single-cycle", action="store_true",
+                        help="with ds_z3native: ds_z3native.set_single_cycle(True)")
     parser.add_argument("--count-ops", action="store_true",
                         help="profile the last step and record its dc / ds_z3native op calls")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")

@@ -436,16 +436,19 @@ def _compile_scaling(result: Mapping[str, Any]) -> List[str]:
     last = s.get("last_step", "?")
     depths = sorted({int(r["layers"]) for r in runs.values()
                      if isinstance(r.get("layers"), int)})
+    # The single-cycle columns only where the result holds such a run.
+    single = any(r.get("variant") == "ours-single" for r in runs.values())
     rows = []
     for n in depths:
-        cold, warm, theirs = (_scaling_run(result, v, n)
-                              for v in ("ours-cold", "ours-warm", "deepspeed-cold"))
+        cold, warm, one, theirs = (_scaling_run(result, v, n) for v in
+                                   ("ours-cold", "ours-warm", "ours-single", "deepspeed-cold"))
         params = next((((r.get("setup") or {}).get("model") or {}).get("params")
-                       for r in (cold, warm, theirs) if r and r.get("setup")), None)
+                       for r in (cold, warm, one, theirs) if r and r.get("setup")), None)
         phases = ((cold or {}).get("compile_seconds") or {}).get("to_last_step") or {}
-        rows.append([str(n), _params(params),
-                     _scaling_cell(cold), _scaling_cell(warm), _scaling_cell(theirs),
+        rows.append([str(n), _params(params), _scaling_cell(cold), _scaling_cell(warm),
+                     *([_scaling_cell(one)] if single else []), _scaling_cell(theirs),
                      _scaling_ratio(cold, theirs), _scaling_ratio(warm, theirs),
+                     *([_scaling_ratio(one, theirs)] if single else []),
                      " / ".join(_num(phases.get(key), "{:.0f}") for _, key in _PHASES)
                      if cold and run_ok(cold) else "-"])
     ckpt_ours, ckpt_theirs = _scaling_checkpointing(result)
@@ -463,10 +466,12 @@ def _compile_scaling(result: Mapping[str, Any]) -> List[str]:
     return [title, ""] + _table(
         ["layers", "params", "ds_z3native, cold", "ds_z3native, warm (cache and profile store "
          "of the cold run)",
+         *(["ds_z3native, single cycle, cold"] if single else []),
          "DeepSpeed alone, cold" + (f" ({_ckpt_words(ckpt_theirs)})" if ckpt_theirs != ckpt_ours
                                     else ""),
          f"ours cold / DeepSpeed's, to step {last}",
          f"ours warm / DeepSpeed's cold, to step {last}",
+         *([f"ours single cycle / DeepSpeed's cold, to step {last}"] if single else []),
          "ours cold, torch compile_times to step " + str(last) + ": "
          + " / ".join(label for label, _ in _PHASES) + " (s)"], rows)
 
@@ -646,11 +651,10 @@ def _summary_plain(result: Mapping[str, Any], size: str) -> List[List[str]]:
     """The ds_z3native run with the lowest step time over plain PyTorch's (no ZeRO, no
     checkpointing) of the same run (``vs["plain"]``), among the table's runs and those the file
     keeps beside them (``replaced``: a profiled run); no row without such a ratio."""
-    records = list(result["runs"].items()) + [(f"{r.get('variant')}@", r)
-                                              for r in result.get("replaced") or []]
+    records = [(run_variant(key, r), r) for key, r in result["runs"].items()]
+    records += [(str(r.get("variant")), r) for r in result.get("replaced") or []]
     best: Optional[Tuple[float, str, Mapping[str, Any]]] = None
-    for key, r in records:
-        variant = run_variant(key, r) or r.get("variant")
+    for variant, r in records:
         ratio = ((r.get("vs") or {}).get("plain") or {}).get("step_ratio")
         if (run_ok(r) and "ds_z3native" in _LORA_WHAT.get(variant, "")
                 and isinstance(ratio, (int, float)) and (best is None or ratio < best[0])):
@@ -703,12 +707,13 @@ def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
     DeepSpeed's op's cold one (no row without both cold runs)."""
     summary = result.get("summary") or {}
     n = summary.get("layers")
-    cold, warm, theirs = (_scaling_run(result, v, n) if isinstance(n, int) else None
-                          for v in ("ours-cold", "ours-warm", "deepspeed-cold"))
+    cold, warm, one, theirs = (_scaling_run(result, v, n) if isinstance(n, int) else None for v in
+                               ("ours-cold", "ours-warm", "ours-single", "deepspeed-cold"))
     ratio = summary.get("cold_vs_deepspeed")
     if not isinstance(ratio, (int, float)) or cold is None or theirs is None:
         return []
     warm_ratio = summary.get("warm_vs_deepspeed")
+    one_ratio = summary.get("single_vs_deepspeed")
     ckpt_ours, ckpt_theirs = _scaling_checkpointing(result)
     last = (result.get("setup") or {}).get("last_step", "?")
     wall = "wall_to_last_step_s"
@@ -716,11 +721,15 @@ def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
              f"1 B LoRA shape, checkpointing",
              f"{_num(metric_value(cold, wall), '{:.0f}')} s cold"
              + (f", {_num(metric_value(warm, wall), '{:.0f}')} s warm"
-                if warm is not None and run_ok(warm) else ""),
+                if warm is not None and run_ok(warm) else "")
+             + (f", {_num(metric_value(one, wall), '{:.0f}')} s single cycle (cold)"
+                if one is not None and run_ok(one) else ""),
              f"{_num(metric_value(theirs, wall), '{:.0f}')} s (DeepSpeed's own op, cold"
              + (f", {_ckpt_words(ckpt_theirs)})" if ckpt_theirs != ckpt_ours else ")"),
              f"{ratio:.2f}x the time cold"
-             + (f", {warm_ratio:.2f}x warm" if isinstance(warm_ratio, (int, float)) else ""),
+             + (f", {warm_ratio:.2f}x warm" if isinstance(warm_ratio, (int, float)) else "")
+             + (f", {one_ratio:.2f}x single cycle" if isinstance(one_ratio, (int, float))
+                else ""),
              _measured(result, cold, gpus=1)]]
 
 

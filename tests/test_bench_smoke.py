@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from ds_z3native.settings import PROFILE_STORE_ENV
+from ds_z3native.settings import PROFILE_STORE_ENV, SINGLE_CYCLE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # bench/ is a folder of the checkout, not an installed package
@@ -837,8 +837,8 @@ def test_gpu_conditions_say_why_there_are_none(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- compile_scaling
 
-SUMMARY_KEYS = {"layers", "metric", "cold_vs_deepspeed", "warm_vs_deepspeed", "growth_8_to_16",
-                "compile_growth"}
+SUMMARY_KEYS = {"layers", "metric", "cold_vs_deepspeed", "warm_vs_deepspeed",
+                "single_vs_deepspeed", "growth_8_to_16", "compile_growth"}
 
 
 def _plan(*argv: str) -> subprocess.CompletedProcess:
@@ -934,6 +934,7 @@ def test_compile_scaling_summary_is_taken_at_the_deepest_depth() -> None:
     runs = {"ours-cold-8l": _scaling_run(first=100.0, wall=200.0),
             "ours-cold-16l": _scaling_run(first=150.0, wall=300.0),
             "ours-warm-16l": _scaling_run(first=60.0, wall=240.0),
+            "ours-single-16l": _scaling_run(first=170.0, wall=180.0),
             "deepspeed-cold-16l": _scaling_run(first=180.0, wall=400.0),
             "deepspeed-cold-8l": _scaling_run(first=120.0, wall=250.0)}
     summary = summarize_scaling(runs, [2, 4, 8, 16])
@@ -941,6 +942,7 @@ def test_compile_scaling_summary_is_taken_at_the_deepest_depth() -> None:
     assert summary["metric"] == "wall_to_last_step_s"
     assert summary["cold_vs_deepspeed"] == pytest.approx(300.0 / 400.0)
     assert summary["warm_vs_deepspeed"] == pytest.approx(240.0 / 400.0)
+    assert summary["single_vs_deepspeed"] == pytest.approx(180.0 / 400.0)
     assert summary["growth_8_to_16"] == pytest.approx(150.0 / 100.0)  # compile to step 1
     assert summary["compile_growth"] == {"from_layers": 8, "to_layers": 16,
                                          "ratio": pytest.approx(1.5)}
@@ -982,6 +984,7 @@ def test_report_tables_compile_scaling_and_sums_it_up(tmp_path: Path) -> None:
             "ours-cold-16l": run("ours-cold", 16, 160.0, 300.0),
             "ours-warm-16l": run("ours-warm", 16, 80.0, 240.0),
             "deepspeed-cold-16l": run("deepspeed-cold", 16, 200.0, 400.0)}
+    single = {"ours-single-16l": run("ours-single", 16, 170.0, 180.0)}
     result = {"bench": "compile_scaling", "mode": "full", "runs": runs,
               "summary": summarize_scaling(runs, [8, 16]),
               "setup": {"size": "1b", "last_step": 20, "checkpointing": "non-reentrant",
@@ -1002,6 +1005,21 @@ def test_report_tables_compile_scaling_and_sums_it_up(tmp_path: Path) -> None:
     assert row == ("| DeepCompile, `engine.compile()` to the end of step 20, 16 layers of the 1 B "
                    "LoRA shape, checkpointing | 300 s cold, 240 s warm | 400 s (DeepSpeed's own "
                    "op, cold) | 0.75x the time cold, 0.60x warm | 2026-02-02, 1 x NVIDIA H200 |")
+    # A single-cycle run gets its own columns and its part of the summary row; none without.
+    assert "single cycle" not in block
+    with_single = {**result, "runs": {**runs, **single},
+                   "summary": summarize_scaling({**runs, **single}, [8, 16])}
+    (tmp_path / "compile_scaling.json").write_text(json.dumps(with_single))
+    block = report.render_block(report.load_results(tmp_path))
+    assert "| ds_z3native, single cycle, cold |" in block
+    (row16,) = [ln for ln in block.splitlines() if ln.startswith("| 16 |")]
+    assert [c.strip() for c in row16.split("|")[2:-1]] == [
+        "0.96 B", "160 / 40 / 300 s", "80 / 20 / 240 s", "170 / 42 / 180 s", "200 / 50 / 400 s",
+        "0.75x", "0.60x", "0.45x", "160 / - / - / 80"]
+    assert "300 s cold, 240 s warm, 180 s single cycle (cold) |" in \
+        report.render_summary(report.load_results(tmp_path))
+    assert "0.75x the time cold, 0.60x warm, 0.45x single cycle |" in \
+        report.render_summary(report.load_results(tmp_path))
     # DeepSpeed's baseline run without checkpointing (DeepSpeed alone fails with it): the
     # table's column and the summary row say so.
     result["setup"]["checkpointing"] = {"ours": "non-reentrant", "deepspeed": "none"}
@@ -1108,7 +1126,39 @@ def test_cli_takes_compile_scaling_runs_and_a_run_label() -> None:
         "/tmp/w/compile_scaling/inductor/ours-16l"
     assert "--run label-x" in r.stdout
     r = _plan("--variants", "dc-ckpt")
-    assert r.returncode == 2 and "ours-cold, ours-warm, deepspeed-cold" in r.stderr, r.stderr
+    assert r.returncode == 2 and "ours-cold, ours-warm, ours-single, deepspeed-cold" in r.stderr, \
+        r.stderr
+
+
+def test_the_documented_run_by_run_loop_plans_one_run_per_invocation() -> None:
+    # docs/benchmarks.md's loop, each invocation dry-run: one process each, of the named run.
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    block = next(b for b in re.findall(r"```\n(.*?)```", text, re.S) if "for run in" in b)
+    head, command = [ln.strip() for ln in block.splitlines() if ln.strip()][:2]
+    kinds = head[len("for run in "):head.index(";")].split()
+    assert kinds == ["ours-cold", "ours-warm", "ours-single", "deepspeed-cold"]
+    words = command.split()
+    assert words[:4] == ["python", "-m", "bench", "compile_scaling"], command
+    for kind in kinds:
+        r = _plan(*[kind if w == "$run" else w for w in words[4:]])
+        assert r.returncode == 0, r.stderr
+        (run,) = _plan_runs(r.stdout)
+        assert run["output"] == f"{kind}-16l.json"
+
+
+def test_a_single_cycle_run_is_planned_only_when_named_with_caches_of_its_own() -> None:
+    assert "ours-single" not in _plan("--layers", "16").stdout
+    r = _plan("--variants", "ours-single,ours-cold", "--layers", "16", "--work-dir", "/tmp/w")
+    assert r.returncode == 0, r.stderr
+    cold, single = _plan_runs(r.stdout)  # in the plan's order, whatever the order named
+    assert (cold["output"], single["output"]) == ("ours-cold-16l.json", "ours-single-16l.json")
+    assert single["variant"] == cold["variant"] == "dc-ckpt"
+    assert (cold["env"][SINGLE_CYCLE_ENV], single["env"][SINGLE_CYCLE_ENV]) == ("0", "1")
+    # Cold too: neither its inductor cache nor its profile store is the cold run's.
+    for name in ("TORCHINDUCTOR_CACHE_DIR", PROFILE_STORE_ENV):
+        assert single["env"][name] != cold["env"][name]
+    assert single["env"]["TORCHINDUCTOR_CACHE_DIR"] == \
+        "/tmp/w/compile_scaling/inductor/ours-single-16l"
 
 
 def test_run_command_echoes_the_process_output_as_it_comes(

@@ -231,3 +231,87 @@ def test_the_warm_start_setting_is_checked() -> None:
             ds_z3native.settings.Settings.from_env({ds_z3native.WARM_START_ENV: "2"})
     finally:
         ds_z3native.settings.use(previous)
+
+
+def test_the_single_cycle_setting_is_checked_and_off_by_default() -> None:
+    previous = ds_z3native.current_settings()
+    try:
+        assert ds_z3native.settings.Settings.from_env({}).single_cycle is False
+        ds_z3native.set_single_cycle(True)
+        assert ds_z3native.current_settings().single_cycle is True
+        with pytest.raises(ValueError, match="set_single_cycle"):
+            ds_z3native.set_single_cycle(1)  # type: ignore[arg-type]
+        assert ds_z3native.settings.Settings.from_env(
+            {ds_z3native.SINGLE_CYCLE_ENV: "yes"}).single_cycle is True
+        with pytest.raises(ValueError, match=ds_z3native.SINGLE_CYCLE_ENV):
+            ds_z3native.settings.Settings.from_env({ds_z3native.SINGLE_CYCLE_ENV: "maybe"})
+    finally:
+        ds_z3native.settings.use(previous)
+
+
+class _Param:
+    def __init__(self, ds_numel: int, trainable: bool) -> None:
+        self.ds_numel, self.requires_grad = ds_numel, trainable
+
+
+class _Manager:
+    def __init__(self, **params: Any) -> None:
+        self.params = {name: type("DSParam", (), {"param": p})() for name, (_, p) in
+                       params.items()}
+        self.ds_ids = {name: ds_id for name, (ds_id, _) in params.items()}
+
+
+def test_the_optimizer_states_held_back_count_each_trainable_partition_once() -> None:
+    lora_a, lora_b, base = _Param(10, True), _Param(7, True), _Param(1000, False)
+    managers = {0: _Manager(a=(1, lora_a), w=(3, base)),
+                1: _Manager(a=(1, lora_a), b=(2, lora_b))}  # lora_a in both graphs
+    # Two fp32 states per element of each rank's partition (ceil(10/2) + ceil(7/2)); frozen
+    # params have none.
+    assert warm.optimizer_state_bytes(managers, world_size=2) == 8 * (5 + 4)
+    assert warm.optimizer_state_bytes(managers, world_size=1) == 8 * 17
+    assert warm.optimizer_state_bytes({0: _Manager(w=(3, base))}, world_size=1) == 0
+
+
+def test_a_single_cycle_runs_selective_gather_at_its_last_backward_graph_with_memory_held(
+        backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepspeed.compile.passes import selective_gather as module
+
+    first, final = _passes()
+    seen: List[Any] = []
+    held: List[int] = []
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> Any:
+        held.append(args[0])
+        return real_empty(*args, **kwargs)
+
+    def chosen(gm: Any, graph_id: int, graph_order: Any, profiles: Any, create: Any,
+               budget: Any, managers: Any, bwd: bool) -> Any:
+        seen.append((graph_id, bwd, list(held)))
+        return None
+
+    monkeypatch.setattr(module, "selective_gather", chosen)  # as the module holds it at the time
+    monkeypatch.setattr(warm, "_device", lambda: "cpu")
+    monkeypatch.setattr(torch, "empty", empty)
+    passes = warm._warm_passes(first, final, with_group=False)
+    persistence = passes[2]
+    backend.next_passes, backend.remaining_schedule = passes, deque()
+    warm._state.single = True
+    warm._state.phase, warm._state.rest = "tentative", [(5, final)]
+    warm._state.fall_back("no manifest")  # a single cycle instead of the first
+    assert warm._state.phase == "single" and not backend.remaining_schedule  # no re-plan back
+    order = [(0, True), (1, True)]  # graph 0 runs first forward: its backward comes last
+    managers = {0: _Manager(a=(1, _Param(6, True)))}
+    for graph_id, bwd in ((0, False), (1, True), (0, True)):
+        persistence(None, graph_id, order, {}, None, 0.0, managers, bwd)
+    assert seen == [(0, True, [48])]  # the last backward graph only, 2 x 4 bytes x 6 held
+    assert store.cycle_label() == store.cycle_label(final)  # profiles stored as the re-plan's
+    assert warm.warm_start_stats()["single_cycles"] == 1
+
+    def no_room(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(torch, "empty", no_room)
+    persistence(None, 0, order, {}, None, 0.0, managers, True)
+    assert len(seen) == 1  # no room for the optimizer's states: nothing kept gathered
+

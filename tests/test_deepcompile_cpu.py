@@ -13,12 +13,14 @@ tests/gpu/test_deepcompile_llama.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
 
+from ds_z3native.compat.hf_graph_breaks import is_kernels_routing
 from ds_z3native.settings import PROFILE_STORE_ENV, WARM_START_ENV
 from helpers.dc_runner import RUNNER, needs_cpu_deepcompile, run_alone, run_together
 
@@ -142,19 +144,11 @@ def test_hf_llama_lora_evaluates_between_steps_like_eager_zero3() -> None:
                                rtol=1e-4, atol=1e-5)
 
 
-def _kernels_routing(code: object) -> bool:
-    """Whether ``code`` is the kernels package's per-instance routing wrapper
-    (``use_kernelized_func``; co_qualname is Python 3.11+)."""
-    name = getattr(code, "co_qualname", None) or getattr(code, "co_name", "")
-    return "use_kernelized_func" in name or (
-        name == "new_forward" and "kernels" in getattr(code, "co_filename", ""))
-
-
 def _llama_attention_is_routed() -> bool:
     """Whether this transformers wraps LlamaAttention.forward in that wrapper (5.25 does)."""
     from transformers.models.llama import modeling_llama
 
-    return _kernels_routing(modeling_llama.LlamaAttention.forward.__code__)
+    return is_kernels_routing(modeling_llama.LlamaAttention.forward)
 
 
 @pytest.mark.deepspeed
@@ -263,9 +257,9 @@ def test_a_second_run_is_compiled_from_the_fx_graph_cache_and_starts_warm(tmp_pa
         assert r["profile_store"] == {"recorded": 0, "replayed": 0}
     assert listed == ["warm rank0"]  # the manifest alone, written after the re-plan
     assert cold["warm_start"] == {"started": 0, "fell_back": 0, "manifests_written": 1,
-                                  "profiles_measured": 0}
+                                  "profiles_measured": 0, "single_cycles": 0}
     assert again["warm_start"] == {"started": 0, "fell_back": 0, "manifests_written": 0,
-                                   "profiles_measured": 0}
+                                   "profiles_measured": 0, "single_cycles": 0}
     assert warm["warm_start"]["started"] == 1 and warm["warm_start"]["fell_back"] == 0
     assert _manifests(store) == listed
     for r in (again, warm):
@@ -288,13 +282,54 @@ def test_a_store_without_the_jobs_first_graph_compiles_and_re_plans_as_a_first_r
     print(f"\n[warm start] first {first['warm_start']} {first['compile_caches']}, second "
           f"{second['warm_start']} {second['compile_caches']}")
     assert first["warm_start"] == {"started": 0, "fell_back": 1, "manifests_written": 1,
-                                   "profiles_measured": 0}
+                                   "profiles_measured": 0, "single_cycles": 0}
     assert first["compile_caches"] == {"fxgraph_cache_miss": 2, "fxgraph_cache_hit": 2}
     assert second["warm_start"]["started"] == 1
     assert second["compile_caches"] == {"fxgraph_cache_hit": 2}
     assert _manifests(store) == ["warm rank0", "warm rank0"]
     assert second["losses"] == first["losses"]
     assert second["params"] == first["params"]
+
+
+@pytest.mark.deepspeed
+@needs_cpu_deepcompile
+def test_a_single_cycle_compiles_each_graph_once_and_a_later_run_starts_warm_from_it(
+        tmp_path: Path) -> None:
+    # Two ranks (gloo). set_single_cycle(True): the first step compiles the re-plan's passes,
+    # DeepSpeed's selective_gather runs at its last backward graph (--persist-all: it keeps
+    # every param gathered; the ranks agree that the optimizer's states fit first) and no
+    # re-plan follows: one compile per graph where DeepSpeed's schedule takes two. It trains as
+    # the two-cycle run, and its manifests (all params chosen at the last backward graph) let
+    # the next run start warm, from inductor's cache, training the same.
+    store, env = _cached_env(tmp_path)
+    args = ["--model", "frozen-linear", "--persist-all"]
+
+    def on_two_ranks(name: str, argv: List[str], environ: Dict[str, str]) -> Dict[str, Any]:
+        result = _ok(run_together({name: (argv, STEPS)}, env=environ, nprocs={name: 2})[name])
+        for rank in result["other_ranks"]:
+            assert rank["losses"] == result["losses"]
+        return result
+
+    single = on_two_ranks("single", args + ["--single-cycle"], env)
+    manifests = {p.name: json.loads(p.read_text()) for p in store.iterdir()}
+    warm = on_two_ranks("warm", args, env)
+    twice = on_two_ranks("twice", args, {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+    print(f"\n[single cycle] {single['warm_start']} {single['compile_caches']}; two cycles "
+          f"{twice['compile_caches']}; warm {warm['warm_start']} {warm['compile_caches']}; "
+          f"manifest {manifests}")
+    assert single["warm_start"] == {"started": 0, "fell_back": 0, "manifests_written": 1,
+                                    "profiles_measured": 0, "single_cycles": 1}
+    assert single["compile_caches"] == {"fxgraph_cache_miss": 2}  # fw, bw: once each
+    assert sum(twice["compile_caches"].values()) == 4  # DeepSpeed's schedule: twice each
+    assert twice["warm_start"]["single_cycles"] == 0
+    assert sorted(name.split(".")[-2] for name in manifests) == ["rank0", "rank1"]
+    for manifest in manifests.values():
+        assert manifest["early"] == [] and len(manifest["added"]) >= 2  # frozen and trained
+    _assert_same_training(single, twice, rtol=1e-5, atol=1e-6)
+    assert warm["warm_start"]["started"] == 1 and warm["warm_start"]["single_cycles"] == 0
+    assert warm["compile_caches"] == {"fxgraph_cache_hit": 2}
+    assert warm["losses"] == single["losses"]
+    assert warm["params"] == single["params"]
 
 
 @pytest.mark.deepspeed
@@ -367,7 +402,7 @@ def test_attention_runs_without_the_kernels_routing_wrapper_when_nothing_was_ker
     model, _ = build_lora_llama(MODEL_SIZES["tiny"])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     attn = [(n, m) for n, m in model.named_modules() if type(m).__name__ == "LlamaAttention"]
-    wrapped = [n for n, m in attn if _kernels_routing(type(m).forward.__code__)]
+    wrapped = [n for n, m in attn if is_kernels_routing(type(m).forward)]
     print(f"\n[kernels routing] {len(wrapped)} of {len(attn)} attention layers wrapped")
     ids = torch.randint(0, 64, (1, 8))
     model.eval()

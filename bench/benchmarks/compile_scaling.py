@@ -8,6 +8,9 @@ non-reentrant checkpointing, LoRA r=16 on every linear layer) runs, one process 
 * ``ours-cold``: ``dc-ckpt`` with ds_z3native, a fresh inductor cache and profile store;
 * ``ours-warm``: the same again, from the inductor cache and profile store ``ours-cold`` of the
   same depth filled (what compiling costs a second run of the same job);
+* ``ours-single`` (only when ``--variants`` names it): ``dc-ckpt`` cold, its own fresh caches,
+  with ``DS_Z3NATIVE_SINGLE_CYCLE=1``: each graph compiled once, at the first step, with the
+  re-plan's passes, and no re-plan (``ds_z3native.set_single_cycle``);
 * ``deepspeed-cold``: ``dc-upstream``, DeepSpeed's own DeepCompile (its op, no ds_z3native) on
   the same model, LoRA and batch without checkpointing, a fresh inductor cache. With
   checkpointing DeepSpeed alone does not run this model (``dc-ckpt-upstream`` fails at its first
@@ -40,14 +43,14 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ds_z3native.settings import PROFILE_STORE_ENV
+from ds_z3native.settings import PROFILE_STORE_ENV, SINGLE_CYCLE_ENV
 from bench.core.registry import BenchContext, Benchmark, register
 from bench.core.runner import Command, run_command
 from bench.core.schema import metric_value, read_json, run_ok, versions
 
 log = logging.getLogger("bench.benchmarks.compile_scaling")
 
-__all__ = ["BENCHMARK", "KINDS", "LAYERS", "SMOKE_LAYERS", "STEPS", "SMOKE_STEPS", "ScalingRun", "plan",
+__all__ = ["BENCHMARK", "KINDS", "ALL_KINDS", "LAYERS", "SMOKE_LAYERS", "STEPS", "SMOKE_STEPS", "ScalingRun", "plan",
            "commands", "summarize_scaling", "keep_history"]
 
 SCRIPT = "bench/lora_llama.py"
@@ -58,6 +61,9 @@ SMOKE_STEPS = 7  # DeepCompile re-plans at its 6th step; one step after it is th
 MIN_STEPS = 7
 # The runs of each depth, in order (a warm run re-uses the cold run's caches).
 KINDS = ("ours-cold", "ours-warm", "deepspeed-cold")
+# Every kind ``--variants`` may name, in the order they run: the plan's and a single-cycle cold
+# run (ds_z3native.set_single_cycle).
+ALL_KINDS = ("ours-cold", "ours-warm", "ours-single", "deepspeed-cold")
 # The LoRA runner's variant per implementation: ours is the dc-ckpt setup; DeepSpeed alone fails
 # on it (see the module's docstring), so its baseline is the same without checkpointing.
 LORA_VARIANT = {"ours": "dc-ckpt", "deepspeed": "dc-upstream"}
@@ -87,7 +93,7 @@ class ScalingRun:
 
     @property
     def variant(self) -> str:
-        """The run's variant: ``ours-cold``, ``ours-warm`` or ``deepspeed-cold``."""
+        """The run's variant: one of :data:`ALL_KINDS`."""
         return f"{self.implementation}-{self.cache}"
 
     @property
@@ -122,28 +128,35 @@ def _steps(ctx: BenchContext) -> int:
 
 def plan(ctx: BenchContext) -> List[ScalingRun]:
     """The runs, per depth shallowest first: ours cold, ours warm (after the cold run whose cache
-    it re-uses), DeepSpeed's op cold; with ``--variants``, only those of them."""
-    kinds = [k for k in KINDS if not ctx.variants or k in ctx.variants]
+    it re-uses), DeepSpeed's op cold; with ``--variants``, only those of :data:`ALL_KINDS`."""
+    kinds = [k for k in ALL_KINDS if k in ctx.variants] if ctx.variants else list(KINDS)
     return [ScalingRun(*kind.split("-"), n) for n in _layers(ctx) for kind in kinds]
 
 
-def _inductor_dir(ctx: BenchContext, implementation: str, layers: int) -> Path:
-    """The inductor cache of an implementation at a depth (a warm run shares its cold run's)."""
-    return ctx.work_dir / "compile_scaling" / "inductor" / f"{implementation}-{layers}l"
+def _inductor_dir(ctx: BenchContext, implementation: str, layers: int, cache: str = "cold"
+                  ) -> Path:
+    """The inductor cache of an implementation at a depth (a warm run shares its cold run's; a
+    single-cycle run has its own)."""
+    single = "-single" if cache == "single" else ""
+    return ctx.work_dir / "compile_scaling" / "inductor" / f"{implementation}{single}-{layers}l"
 
 
 def _command(run: ScalingRun, ctx: BenchContext, steps: int) -> Command:
     """The ``bench/lora_llama.py`` process of ``run``: its own inductor cache per implementation
     and depth (a warm run shares its cold run's), and for ours a profile store per depth (the
-    cold run records, the warm run replays)."""
+    cold run records, the warm run replays; a single-cycle run has its own of both)."""
     work = ctx.work_dir / "compile_scaling"
     size = (["--size", "toy", "--seq", "32", "--micro-batch", "1"] if ctx.smoke
             else ["--size", "1b"])
     extra = ["--build-op-first"] if run.implementation == "deepspeed" else []
     out = work / "runs" / f"{run.key}.json"
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(_inductor_dir(ctx, run.implementation, run.layers))}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(_inductor_dir(ctx, run.implementation, run.layers,
+                                                        run.cache))}
     if run.implementation == "ours":
-        env[PROFILE_STORE_ENV] = str(work / "profiles" / f"{run.layers}l")
+        single = run.cache == "single"
+        env[PROFILE_STORE_ENV] = str(work / "profiles" /
+                                     f"{run.layers}l{'-single' if single else ''}")
+        env[SINGLE_CYCLE_ENV] = "1" if single else "0"
     else:  # DeepSpeed alone, whatever the shell's DS_Z3NATIVE says
         env["DS_Z3NATIVE"] = "0"
     if ctx.smoke:
@@ -282,8 +295,9 @@ def _ratio(a: Optional[Mapping[str, Any]], b: Optional[Mapping[str, Any]],
 
 def summarize_scaling(runs: Mapping[str, Mapping[str, Any]],
                       layers: Sequence[int]) -> Dict[str, Any]:
-    """The result's ``summary``, at the deepest of ``layers``: ``cold_vs_deepspeed`` and
-    ``warm_vs_deepspeed`` (our cold / warm wall time to the last step over DeepSpeed's cold),
+    """The result's ``summary``, at the deepest of ``layers``: ``cold_vs_deepspeed``,
+    ``warm_vs_deepspeed`` and ``single_vs_deepspeed`` (our cold / warm / single-cycle cold wall
+    time to the last step over DeepSpeed's cold),
     ``growth_8_to_16`` (our cold compile to the end of step 1 at 16 layers over 8), and
     ``compile_growth``, the same between the two deepest depths where our cold run has both;
     None for each figure whose runs are missing or did not finish."""
@@ -306,6 +320,8 @@ def summarize_scaling(runs: Mapping[str, Mapping[str, Any]],
                                     "wall_to_last_step_s"),
         "warm_vs_deepspeed": _ratio(run("ours-warm", deepest), run("deepspeed-cold", deepest),
                                     "wall_to_last_step_s"),
+        "single_vs_deepspeed": _ratio(run("ours-single", deepest),
+                                      run("deepspeed-cold", deepest), "wall_to_last_step_s"),
         "growth_8_to_16": _ratio(run("ours-cold", 16), run("ours-cold", 8),
                                  "compile_to_first_step_s"),
         "compile_growth": growth,
@@ -346,6 +362,8 @@ def _result(runs: Dict[str, Dict[str, Any]], ctx: BenchContext, steps: int) -> D
                     "depth, and for ours a fresh DeepCompile profile store",
             "warm": "ours only: a second process re-using the inductor cache and profile store "
                     "of the cold run of the same depth",
+            "single": "ours only, where --variants names ours-single: cold (its own fresh "
+                      "caches), DS_Z3NATIVE_SINGLE_CYCLE=1: each graph compiled once, no re-plan",
             "deepspeed_warm": "not run: it would cost about another cold run per depth",
             "processes": "one per run, one after another, one GPU" if not ctx.smoke
                          else "one per run, one after another, on the CPU (gloo)",

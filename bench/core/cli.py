@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from bench.benchmarks import registry
-from bench.benchmarks.compile_scaling import KINDS as SCALING_KINDS
+from bench.benchmarks.compile_scaling import ALL_KINDS as SCALING_KINDS
 from bench.benchmarks.lora_llama import check_lora_variants
 from bench.core.registry import BenchContext, Benchmark, contexts_for, finish_result
 from bench.core.schema import RESULTS_DIR, SMOKE_DIR, metric_value, run_ok, write_result

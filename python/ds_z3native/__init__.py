@@ -20,7 +20,7 @@ from ._native import DcNamespaceTaken, existing_dc_owner, load
 from . import settings
 from ._version import __version__
 from .settings import (GROUP_PERSISTENT_ENV, PERSISTENCE_BUDGET_ENV, PREFETCH_BUDGET_ENV,
-                       PROFILE_STORE_ENV, WARM_START_ENV, Settings)
+                       PROFILE_STORE_ENV, SINGLE_CYCLE_ENV, WARM_START_ENV, Settings)
 from .installer import (InstallError, InstallReport, UnsupportedDeepSpeed, UnverifiedPatchTarget,
                         install, installed, uninstall)
 
@@ -30,7 +30,8 @@ __all__ = ["native", "build_info", "current_graph_task_id", "DcNamespaceTaken",
            "set_persistence_budget",
            "PERSISTENCE_BUDGET_ENV", "set_prefetch_budget", "PREFETCH_BUDGET_ENV",
            "set_profile_store", "PROFILE_STORE_ENV", "set_group_persistent",
-           "GROUP_PERSISTENT_ENV", "set_warm_start", "WARM_START_ENV", "Settings",
+           "GROUP_PERSISTENT_ENV", "set_warm_start", "WARM_START_ENV", "set_single_cycle",
+           "SINGLE_CYCLE_ENV", "Settings",
            "current_settings"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -143,6 +144,30 @@ def set_warm_start(enabled: bool) -> None:
     ``DS_Z3NATIVE_WARM_START`` (1/0), the default. Use the same setting on every rank.
     ValueError naming this function for anything but a bool."""
     settings.update(warm_start=settings.check_switch(enabled, "set_warm_start"))
+
+
+def set_single_cycle(enabled: bool) -> None:
+    """Whether a DeepCompile run that does not start warm compiles its graphs once
+    (``True``) or twice, as DeepSpeed does (``False``, the default).
+
+    DeepSpeed compiles every graph at its first step with its gather and release pass only, and
+    again at its re-plan (after the 5th step) with the prefetch and persistence passes: the
+    second compile costs about as long as the first. With this on, the first step runs the
+    re-plan's passes at once, on the profiles that step measures, and no re-plan follows: about
+    half the time to a steady state on a cold run. The price is in the steady step: the params
+    DeepSpeed's ``selective_gather`` keeps gathered are chosen at the end of the only cycle,
+    after the other graphs were compiled, so they keep DeepSpeed's three op calls per use instead
+    of one ``gather_persistent`` call per graph (:func:`set_group_persistent`); and the choice is
+    made before the optimizer's first step, so the memory its states will take is held back from
+    it (two fp32 values per trainable element, an Adam-like optimizer). A job run once benefits;
+    a job restarted often gains more from a profile store (:func:`set_warm_start`), which this
+    fills as a re-plan would: a later run starts warm from it.
+
+    Read at DeepCompile's first step while ds_z3native is installed (patch
+    ``deepcompile-warm-start``). This process only: child processes read
+    ``DS_Z3NATIVE_SINGLE_CYCLE`` (1/0, default 0). Use the same setting on every rank.
+    ValueError naming this function for anything but a bool."""
+    settings.update(single_cycle=settings.check_switch(enabled, "set_single_cycle"))
 
 
 def set_profile_store(directory: Optional[str | os.PathLike]) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional
 
 __all__ = ["Settings", "PERSISTENCE_BUDGET_ENV", "PREFETCH_BUDGET_ENV", "PROFILE_STORE_ENV",
-           "GROUP_PERSISTENT_ENV", "WARM_START_ENV", "MAX_BUDGET_MIB", "BUDGET_RANGE",
+           "GROUP_PERSISTENT_ENV", "WARM_START_ENV", "SINGLE_CYCLE_ENV", "MAX_BUDGET_MIB", "BUDGET_RANGE",
            "check_budget_mib",
            "check_profile_store", "check_switch", "current",
            "subscribe", "update", "use"]
@@ -39,6 +39,7 @@ PREFETCH_BUDGET_ENV = "DS_Z3NATIVE_PREFETCH_BUDGET_MB"
 PROFILE_STORE_ENV = "DS_Z3NATIVE_PROFILE_STORE"
 GROUP_PERSISTENT_ENV = "DS_Z3NATIVE_GROUP_PERSISTENT"
 WARM_START_ENV = "DS_Z3NATIVE_WARM_START"
+SINGLE_CYCLE_ENV = "DS_Z3NATIVE_SINGLE_CYCLE"
 _SWITCH_VALUES = {"1": True, "true": True, "on": True, "yes": True,
                   "0": False, "false": False, "off": False, "no": False}
 MAX_BUDGET_MIB = 1e12  # exclusive; far above any device, and still exact in int64 bytes
@@ -98,6 +99,9 @@ class Settings:
     # False: with a profile store, DeepCompile still compiles a first cycle and re-plans
     # (compat.deepcompile_warm_start).
     warm_start: bool = True
+    # True: a DeepCompile run that does not start warm compiles the re-plan's passes at its first
+    # step, once, and does not re-plan (compat.deepcompile_warm_start).
+    single_cycle: bool = False
 
     def __post_init__(self) -> None:
         check_budget_mib(self.persistence_budget_mib, "Settings.persistence_budget_mib")
@@ -105,6 +109,7 @@ class Settings:
         check_profile_store(self.profile_store, "Settings.profile_store")
         check_switch(self.group_persistent, "Settings.group_persistent")
         check_switch(self.warm_start, "Settings.warm_start")
+        check_switch(self.single_cycle, "Settings.single_cycle")
 
     @property
     def persistence_budget_bytes(self) -> Optional[int]:
@@ -145,7 +150,8 @@ class Settings:
                    prefetch_budget_mib=budget(PREFETCH_BUDGET_ENV),
                    profile_store=Path(store) if store else None,
                    group_persistent=switch(GROUP_PERSISTENT_ENV, True),
-                   warm_start=switch(WARM_START_ENV, True))
+                   warm_start=switch(WARM_START_ENV, True),
+                   single_cycle=switch(SINGLE_CYCLE_ENV, False))
 
 
 _lock = threading.Lock()

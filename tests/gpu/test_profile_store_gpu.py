@@ -63,7 +63,7 @@ def test_a_second_run_starts_warm_from_the_store_and_is_served_by_inductors_cach
     assert compiled > 0 and cold["compile_cache_bypasses"] == []
     # The re-plan's graphs at step 0, from its stored profiles; no first cycle, no re-plan.
     assert warm["warm_start"] == {"started": 1, "fell_back": 0, "manifests_written": 0,
-                                  "profiles_measured": 0}
+                                  "profiles_measured": 0, "single_cycles": 0}
     assert warm["profile_store"]["recorded"] == 0
     assert 0 < warm["profile_store"]["replayed"] < cold["profile_store"]["recorded"]
     assert sum(warm["compile_caches"].values()) * 2 == compiled

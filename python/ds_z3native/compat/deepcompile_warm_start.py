@@ -27,6 +27,13 @@ job, a restart, a resumed run) does not need it.
 
 A warm start skips DeepSpeed's ``selective_gather`` run: the manifest holds what it chose in the
 run that recorded it, on that run's memory profile (the same profiles the store replays).
+
+* Single cycle (``ds_z3native.set_single_cycle(True)`` / ``DS_Z3NATIVE_SINGLE_CYCLE=1``, off by
+  default; with or without a profile store): a first cycle that does not start warm runs the
+  re-plan's passes at once, on the profiles it measures, and DeepSpeed's own ``selective_gather``
+  at its last backward graph, with the optimizer's states yet to come held back from its memory
+  budget (:func:`optimizer_state_bytes`); no re-plan follows. With a store, its profiles and
+  manifest are the re-plan's, so a later run starts warm from them.
 """
 
 from __future__ import annotations
@@ -48,11 +55,12 @@ from ._rebind import undo_all, when_module_imported
 from .deepcompile_schedule import wrap_launch_compile_passes
 
 __all__ = ["DEEPCOMPILE_WARM_START", "PATCHES", "WARM_PASSES", "warm_start_stats",
-           "reset_warm_start", "manifest_path"]
+           "reset_warm_start", "manifest_path", "optimizer_state_bytes"]
 
 log = logging.getLogger(__name__)
 
 BACKEND_MODULE = "deepspeed.compile.backend"
+SELECTIVE_GATHER_MODULE = "deepspeed.compile.passes.selective_gather"
 _KIND = "warm"
 _FORMAT = 1
 _SELECTIVE_GATHER = "selective_gather"
@@ -132,14 +140,16 @@ class _WarmStart(store.ProfileObserver):
 
     def __init__(self) -> None:
         self.stats = {"started": 0, "fell_back": 0, "manifests_written": 0,
-                      "profiles_measured": 0}
+                      "profiles_measured": 0, "single_cycles": 0}
         self.reset()
 
     def reset(self) -> None:
         # None: not tried; "declined": tried, no manifest on every rank; "tentative": the
         # re-plan's passes launched, the first profile not yet seen; "on": started from the
-        # store; "off": fell back to the first cycle.
+        # store; "off": fell back to the first cycle; "single": the re-plan's passes on the
+        # cycle's own profiles, once.
         self.phase: Optional[str] = None
+        self.single = False  # a cycle that does not start warm runs as "single"
         self.rest: List[Tuple[int, List[Any]]] = []
         self.manifest: Optional[Dict[str, Any]] = None
         self.first_key: Optional[str] = None  # the cycle's first operator profile
@@ -176,7 +186,16 @@ class _WarmStart(store.ProfileObserver):
         log.info("DeepCompile warm start: the re-plan's graphs are compiled now, from the profile "
                  "store; %d params kept gathered as the re-plan had them", len(manifest["early"]))
 
+    def run_single(self, why: str) -> None:
+        self.phase, self.rest = "single", []
+        self.stats["single_cycles"] += 1
+        log.info("DeepCompile single cycle (%s): the re-plan's passes run now, on this cycle's "
+                 "profiles, and no re-plan follows", why)
+
     def fall_back(self, why: str) -> None:
+        if self.single:
+            self.run_single(why)
+            return
         self.phase, self.final = "off", False
         self.stats["fell_back"] += 1
         schedule = getattr(sys.modules.get(BACKEND_MODULE), "remaining_schedule", None)
@@ -206,8 +225,12 @@ class _WarmStart(store.ProfileObserver):
         except (AttributeError, KeyError, RuntimeError) as e:
             log.info("DeepCompile warm start: no manifest written (%s)", e)
             return
-        early = sorted(self.manifest["early"]) if self.phase == "on" and self.manifest else \
-            [i for i in early_choice() if i in set(final)]
+        if self.phase == "on" and self.manifest:
+            early = sorted(self.manifest["early"])
+        elif self.phase == "single":  # chosen at its last backward graph, as "added" replays
+            early = []
+        else:
+            early = [i for i in early_choice() if i in set(final)]
         record = {"format": _FORMAT, "kind": _KIND, "early": early,
                   "added": sorted(set(final) - set(early))}
         path = manifest_path(directory, self.first_key, _rank())
@@ -253,14 +276,76 @@ def _guarded(fn: Callable, label: Optional[str]) -> Callable:
     return warm_pass
 
 
-def _stored_persistence(gm: Any, graph_id: int, graph_order: Any, *args: Any) -> Any:
-    """Stands for ``selective_gather`` in a warm start: at the last backward graph, the params
-    the manifest says it added are kept gathered."""
-    bwd = args[-1] if args else False
-    last_backward = next((g for g, needs_bwd in graph_order if needs_bwd), None)
-    if bwd and graph_id == last_backward and _state.manifest:
-        _set_persistent(sorted(_state.manifest["added"]))
-    return None
+def optimizer_state_bytes(param_managers: Dict[int, Any], world_size: int) -> int:
+    """What an Adam-like optimizer's states will take on one rank for the trainable params the
+    graphs of ``param_managers`` use: two fp32 values per element of each one's partition."""
+    seen, total = set(), 0
+    for manager in param_managers.values():
+        for name, ds_param in manager.params.items():
+            param = ds_param.param
+            ds_id = manager.ds_ids[name]
+            if ds_id in seen or not param.requires_grad:
+                continue
+            seen.add(ds_id)
+            numel = getattr(param, "ds_numel", None)  # a ZeRO-3 param's full size
+            numel = int(param.numel() if numel is None else numel)
+            total += 8 * -(-numel // max(1, world_size))
+    return total
+
+
+def _selective_gather_held_back(selective_gather: Callable, gm: Any, graph_id: int,
+                                graph_order: Any, profiling_results: Any, *args: Any) -> Any:
+    """DeepSpeed's ``selective_gather`` at the last backward graph of a single cycle, with the
+    optimizer's states yet to come held on the device while it measures its headroom."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    param_manager = args[2] if len(args) > 2 else {}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    reserve = optimizer_state_bytes(param_manager, world)
+    held = None
+    with unset_fake_temporarily():
+        try:
+            held = torch.empty(reserve, dtype=torch.uint8, device=_device()) if reserve else None
+            fits = 1
+        except RuntimeError:  # out of memory, whichever the device
+            fits = None
+    # Every rank runs DeepSpeed's pass (its collectives) or none does.
+    group = getattr(profiling_results.get(graph_id), "process_group", None) \
+        if isinstance(profiling_results, dict) else None
+    if not _agree(fits, group):
+        log.warning("DeepCompile single cycle: the optimizer's states (%d bytes) do not fit "
+                    "beside this step's memory on every rank; no params kept gathered", reserve)
+        del held
+        return None
+    log.info("DeepCompile single cycle: selective_gather with %d bytes held back for the "
+             "optimizer's states", reserve)
+    try:
+        return selective_gather(gm, graph_id, graph_order, profiling_results, *args)
+    finally:
+        del held
+
+
+def _persistence(selective_gather: Callable) -> Callable:
+    """Stands for ``selective_gather`` in a cycle of the re-plan's passes at the first step: in a
+    warm start, at the last backward graph, the params the manifest says it added are kept
+    gathered; in a single cycle, DeepSpeed's pass runs (:func:`_selective_gather_held_back`)."""
+
+    def stored_persistence(gm: Any, graph_id: int, graph_order: Any, *args: Any) -> Any:
+        bwd = args[-1] if args else False
+        last_backward = next((g for g, needs_bwd in graph_order if needs_bwd), None)
+        if not bwd or graph_id != last_backward:
+            return None
+        if _state.phase == "single":  # DeepSpeed's pass as its module holds it now
+            current = getattr(sys.modules.get(SELECTIVE_GATHER_MODULE), _SELECTIVE_GATHER,
+                              selective_gather)
+            return _selective_gather_held_back(current, gm, graph_id, graph_order, *args)
+        if _state.manifest:
+            _set_persistent(sorted(_state.manifest["added"]))
+        return None
+
+    return stored_persistence
 
 
 def _pass_name(fn: Any) -> Optional[str]:
@@ -276,7 +361,7 @@ def _warm_passes(first: List[Any], final: List[Any], with_group: bool) -> List[A
     for fn in final:
         name = _pass_name(fn)
         if name == _SELECTIVE_GATHER:
-            passes.append(_guarded(_stored_persistence, _SELECTIVE_GATHER))
+            passes.append(_guarded(_persistence(fn), _SELECTIVE_GATHER))
         elif name in first_names:
             passes.append(fn)
         else:
@@ -313,18 +398,25 @@ def _launching_warm(launch: Callable) -> Callable:
             _state.write_manifest(backend)  # the re-plan's graphs are all compiled by now
         if not due:
             return launch(global_steps, *args, **kwargs)
-        warm = False
-        if _state.phase is None and store.profile_store() is not None \
-                and settings.current().warm_start and _warm_startable(schedule):
-            _state.phase = "declined"
-            warm = _agree(_has_manifest())
-        if warm:
+        warm = single = False
+        if _state.phase is None and _warm_startable(schedule):
+            current = settings.current()
+            _state.phase, _state.single = "declined", current.single_cycle
+            if store.profile_store() is not None and current.warm_start:
+                warm = _agree(_has_manifest())
+            single = not warm and current.single_cycle
+        if warm or single:
             entries = list(schedule)
             passes = _warm_passes(entries[0][1], entries[-1][1],
                                   settings.current().group_persistent)
             schedule.clear()
             schedule.append((global_steps, passes))
             _state.phase, _state.rest = "tentative", entries[1:]
+            if single:
+                _state.run_single("no warm start: " + (
+                    "no profile store" if store.profile_store() is None else
+                    "warm start off" if not settings.current().warm_start else
+                    "the store holds no re-plan on every rank"))
         entry_label = store.cycle_label(schedule[0][1])
         _state.first_key, _state.written = None, False
         _state.final = len(schedule) == 1 and _SELECTIVE_GATHER in entry_label.split(",")

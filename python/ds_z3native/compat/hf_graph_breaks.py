@@ -45,7 +45,7 @@ from . import Patch, Undo
 from ._rebind import undo_all, when_module_imported, wrap_method
 
 __all__ = ["HF_CHECKPOINT_GRAPH_BREAKS", "PATCHES", "checkpoint_modes",
-           "remove_checkpoint_graph_breaks", "patch_checkpoint_graph_breaks"]
+           "remove_checkpoint_graph_breaks", "patch_checkpoint_graph_breaks", "is_kernels_routing"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,19 @@ def checkpoint_modes(model: Any) -> List[str]:
     return modes
 
 
+def is_kernels_routing(fn: Any) -> bool:
+    """Whether ``fn`` is the ``kernels`` package's per-instance routing wrapper
+    (``use_kernelized_func``'s inner ``new_forward``; by qualified name where Python records it,
+    3.11+, else by name and file)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    qualname = getattr(code, "co_qualname", None)
+    if qualname is not None:
+        return "use_kernelized_func" in qualname
+    return code.co_name == "new_forward" and "kernels" in code.co_filename
+
+
 def _unkernelized_routing_forward(module: Any) -> Optional[Callable]:
     """The forward under the ``kernels`` package's per-instance routing wrapper of ``module``
     (``use_kernelized_func``, which transformers puts on attention layers), where the module's
@@ -79,10 +92,7 @@ def _unkernelized_routing_forward(module: Any) -> Optional[Callable]:
     None."""
     forward = type(module).__dict__.get("forward")
     original = getattr(forward, "__wrapped__", None)
-    code = getattr(forward, "__code__", None)
-    if original is None or code is None or "use_kernelized_func" not in getattr(
-            code, "co_qualname", f"use_kernelized_func.{code.co_name}"
-            if "kernels" in code.co_filename and code.co_name == "new_forward" else ""):
+    if original is None or not is_kernels_routing(forward):
         return None
     funcs = module.__dict__.get("_kernel_funcs")
     if not isinstance(funcs, dict):

@@ -315,3 +315,35 @@ def test_a_single_cycle_runs_selective_gather_at_its_last_backward_graph_with_me
     persistence(None, 0, order, {}, None, 0.0, managers, True)
     assert len(seen) == 1  # no room for the optimizer's states: nothing kept gathered
 
+
+
+def test_a_single_cycle_replaces_deepspeeds_default_schedule_only(backend: Any) -> None:
+    first, final = _passes()
+
+    def launch(global_steps: int) -> None:  # DeepSpeed's: the due entry's passes are next
+        if backend.remaining_schedule and backend.remaining_schedule[0][0] == global_steps:
+            backend.next_passes = backend.remaining_schedule.popleft()[1]
+
+    launching = warm._launching_warm(launch)
+    ds_z3native.set_single_cycle(True)
+    # Not DeepSpeed's default schedule (no re-plan): it runs as configured.
+    backend.remaining_schedule = deque([(0, first), (5, first)])
+    launching(0)
+    assert list(backend.remaining_schedule) == [(5, first)] and backend.next_passes == first
+    assert warm.warm_start_stats()["single_cycles"] == 0
+    # The default schedule, a store without this job's re-plan: one cycle of the re-plan's
+    # passes at step 0, labelled as the re-plan, and nothing left to launch.
+    warm.reset_warm_start()
+    backend.remaining_schedule = deque([(0, first), (5, final)])
+    launching(0)
+    assert not backend.remaining_schedule and warm._state.phase == "single"
+    assert store.cycle_label() == store.cycle_label(final)
+    assert [warm._pass_name(p) for p in backend.next_passes] == [
+        "add_z3_gather_release", "schedule_prefetch", "selective_gather", None]
+    assert warm.warm_start_stats()["single_cycles"] == 1
+    # Off (the default): DeepSpeed's two cycles.
+    warm.reset_warm_start()
+    ds_z3native.set_single_cycle(False)
+    backend.remaining_schedule = deque([(0, first), (5, final)])
+    launching(0)
+    assert list(backend.remaining_schedule) == [(5, final)] and backend.next_passes == first

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 
 from ds_z3native import launch
+from ds_z3native._net import free_port
 from ds_z3native.launch import RanksFailed, run_ranks
 
 
@@ -124,3 +125,52 @@ def _unpicklable(rank: int, world_size: int) -> Any:
 def test_a_result_that_does_not_pickle_fails_naming_the_rank() -> None:
     with pytest.raises(RanksFailed, match=r"rank 0: .*could not send the rank's result"):
         run_ranks(_unpicklable, 1, timeout=120)
+
+
+def _taken_ports(count: int) -> Tuple[List[Any], List[int]]:
+    """``count`` listening sockets on 127.0.0.1 and their ports."""
+    import socket
+
+    socks = []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        socks.append(s)
+    return socks, [s.getsockname()[1] for s in socks]
+
+
+def test_a_port_taken_before_the_ranks_bind_it_is_replaced(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # free_port() only says a port was free a moment ago: another process (a rank of another
+    # run, a connection's ephemeral port) can take it first. The ranks start again on another.
+    socks, ports = _taken_ports(1)
+    chosen = iter(ports)
+    monkeypatch.setattr(launch, "free_port", lambda: next(chosen, None) or free_port())
+    try:
+        with caplog.at_level("INFO", logger="ds_z3native.launch"):
+            assert run_ranks(_gloo_sum, 2, backend="gloo", timeout=120) == [3.0, 3.0]
+    finally:
+        for s in socks:
+            s.close()
+    assert "starting the ranks again on another port (attempt 2 of 3)" in caplog.text
+
+
+def test_a_port_taken_every_time_fails_after_the_last_attempt(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    socks, ports = _taken_ports(launch.PORT_ATTEMPTS)
+    chosen = iter(ports)
+    monkeypatch.setattr(launch, "free_port", lambda: next(chosen))
+    try:
+        with pytest.raises(RanksFailed) as failed:
+            run_ranks(_gloo_sum, 2, backend="gloo", timeout=120)
+    finally:
+        for s in socks:
+            s.close()
+    assert failed.value.first.port_in_use and failed.value.first.phase == "init"
+    assert len(list(chosen)) == 0  # one port per attempt, no more
+    monkeypatch.undo()
+    # A rank failing in its own code is never restarted, whatever its message says.
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_rank1_raises, 2, timeout=60)
+    assert not any(e.port_in_use for e in failed.value.errors)

@@ -62,6 +62,16 @@ class RankError:
     message: str
     traceback: str = ""
     exitcode: Optional[int] = None
+    # Where a raising rank was: "init" (joining the process group, before ``fn``) or "run".
+    phase: str = "run"
+
+    @property
+    def port_in_use(self) -> bool:
+        """Whether the rank could not join the process group because its port was taken (a
+        free port chosen by one process can be taken by another before the rank binds it)."""
+        text = self.message.lower()
+        return self.phase == "init" and ("address already in use" in text
+                                         or "eaddrinuse" in text)
 
     @property
     def summary(self) -> str:
@@ -92,6 +102,10 @@ class RanksFailed(RuntimeError):
     def first(self) -> RankError:
         """The error reported first (usually the cause; the others often follow from it)."""
         return self.errors[0]
+
+
+# How many times run_ranks starts the ranks when their port was taken before they bound it.
+PORT_ATTEMPTS = 3
 
 
 def rank_env(rank: int, world_size: int, port: int) -> Dict[str, str]:
@@ -151,18 +165,21 @@ def _rank_main(target: _Target, rank: int, conn: Connection) -> None:
     _to_parent = conn
     ok = False
     item: Tuple[str, Any]
+    phase = "init"
     try:
         if target.backend is not None:
             import torch.distributed as dist
 
             dist.init_process_group(target.backend, rank=rank, world_size=target.world_size)
+        phase = "run"
         value = target.fn(rank, target.world_size, *target.args)
         item = ("result", value)
         ok = True
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         text = traceback.format_exc()
         sys.stderr.write(text)
-        item = ("error", {"type": type(e).__name__, "message": str(e), "traceback": text})
+        item = ("error", {"type": type(e).__name__, "message": str(e), "traceback": text,
+                          "phase": phase})
     try:
         _send(conn, item)
     except Exception as e:  # noqa: BLE001 - e.g. a result that does not pickle
@@ -226,7 +243,8 @@ class Ranks:
             self._results[rank] = payload
         else:
             self._errors.append(RankError(rank, "raised", payload["type"], payload["message"],
-                                          payload["traceback"]))
+                                          payload["traceback"],
+                                          phase=payload.get("phase", "run")))
         return True
 
     def _drain(self, rank: int, on_message: Optional[Callable[[int, Any], None]]) -> None:
@@ -351,13 +369,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
               finish: float = 30.0) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; their results in rank order.
     RanksFailed (every rank stopped) when one raises or dies or time runs out. After the last
-    result the ranks get ``finish`` seconds to exit before they are stopped."""
-    ranks = start_ranks(fn, world_size, *args, env=env, backend=backend, log_dir=log_dir,
-                        name=name)
-    ok = False
-    try:
-        results = ranks.wait(timeout=timeout, idle_timeout=idle_timeout, on_message=on_message)
-        ok = True
-        return results
-    finally:
-        ranks.stop(finish=finish if ok else 0.0)
+    result the ranks get ``finish`` seconds to exit before they are stopped. Where a rank could
+    not join the process group because another process took its port first, the ranks start
+    again on another port (at most ``PORT_ATTEMPTS`` times): no rank had run ``fn``."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        ranks = start_ranks(fn, world_size, *args, env=env, backend=backend, log_dir=log_dir,
+                            name=name)
+        ok = False
+        try:
+            results = ranks.wait(timeout=timeout, idle_timeout=idle_timeout,
+                                 on_message=on_message)
+            ok = True
+            return results
+        except RanksFailed as e:
+            if attempt == PORT_ATTEMPTS or not any(err.port_in_use for err in e.errors):
+                raise
+            log.info("run_ranks: %s; starting the ranks again on another port (attempt %d of "
+                     "%d)", e.first.summary, attempt + 1, PORT_ATTEMPTS)
+        finally:
+            ranks.stop(finish=finish if ok else 0.0)
+    raise AssertionError("unreachable")  # the last attempt returned or raised

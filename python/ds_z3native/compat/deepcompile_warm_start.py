@@ -399,6 +399,12 @@ def _launching_warm(launch: Callable) -> Callable:
         if not due:
             return launch(global_steps, *args, **kwargs)
         warm = single = False
+        if _state.phase is None and not _warm_startable(schedule) \
+                and settings.current().single_cycle:
+            _state.phase = "declined"
+            log.info("DeepCompile single cycle not taken: the pass schedule is not DeepSpeed's "
+                     "default (gather/release, then prefetch and selective_gather); it runs as "
+                     "configured")
         if _state.phase is None and _warm_startable(schedule):
             current = settings.current()
             _state.phase, _state.single = "declined", current.single_cycle

@@ -40,8 +40,8 @@ from ._rebind import when_module_imported
 from .deepcompile_schedule import wrap_launch_compile_passes
 
 __all__ = ["DEEPCOMPILE_PERSISTENT_GROUP", "PATCHES", "group_persistent_gathers",
-           "gather_persistent_op", "choose_persistent_early", "group_stats", "persistent_ids",
-           "early_choice"]
+           "gather_persistent_op", "choose_persistent_early", "last_backward_graph",
+           "group_stats", "persistent_ids", "early_choice"]
 
 log = logging.getLogger(__name__)
 
@@ -239,13 +239,19 @@ def group_persistent_gathers(gm: Any, graph_id: int, graph_order: Any, profiling
 group_persistent_gathers.ds_z3native_label = None  # type: ignore[attr-defined]
 
 
+def last_backward_graph(graph_order: List[Tuple[int, bool]]) -> Optional[int]:
+    """The graph whose backward runs last (the first forward graph that needs a backward), where
+    DeepSpeed's ``selective_gather`` acts; None without a backward graph."""
+    return next((graph_id for graph_id, needs_bwd in graph_order if needs_bwd), None)
+
+
 def choose_persistent_early(selective_gather: Callable, profiling_results: Dict[int, Any],
                             graph_order: List[Tuple[int, bool]], param_manager: Dict[int, Any]
                             ) -> bool:
     """Run DeepSpeed's ``selective_gather`` on a finished cycle's profiles, as it runs on the
     last backward graph; False (nothing run) when the cycle has no backward graph or no
     profiles."""
-    last_backward = next((graph_id for graph_id, needs_bwd in graph_order if needs_bwd), None)
+    last_backward = last_backward_graph(graph_order)
     if last_backward is None or last_backward not in profiling_results:
         return False
     selective_gather(None, last_backward, graph_order, profiling_results, None, None,

@@ -52,6 +52,9 @@ from .. import settings
 from . import Patch, Undo
 from . import deepcompile_profile_store as store
 from ._rebind import undo_all, when_module_imported
+from .deepcompile_persistent import (SELECTIVE_GATHER_MODULE, early_choice,
+                                     group_persistent_gathers, last_backward_graph,
+                                     persistent_ids)
 from .deepcompile_schedule import wrap_launch_compile_passes
 
 __all__ = ["DEEPCOMPILE_WARM_START", "PATCHES", "WARM_PASSES", "warm_start_stats",
@@ -60,7 +63,6 @@ __all__ = ["DEEPCOMPILE_WARM_START", "PATCHES", "WARM_PASSES", "warm_start_stats
 log = logging.getLogger(__name__)
 
 BACKEND_MODULE = "deepspeed.compile.backend"
-SELECTIVE_GATHER_MODULE = "deepspeed.compile.passes.selective_gather"
 _KIND = "warm"
 _FORMAT = 1
 _SELECTIVE_GATHER = "selective_gather"
@@ -214,8 +216,6 @@ class _WarmStart(store.ProfileObserver):
 
     # -- the manifest -----------------------------------------------------------------------
     def write_manifest(self, backend: Any) -> None:
-        from .deepcompile_persistent import early_choice, persistent_ids
-
         self.written = True
         directory = store.profile_store()
         if directory is None or self.first_key is None:
@@ -334,8 +334,7 @@ def _persistence(selective_gather: Callable) -> Callable:
 
     def stored_persistence(gm: Any, graph_id: int, graph_order: Any, *args: Any) -> Any:
         bwd = args[-1] if args else False
-        last_backward = next((g for g, needs_bwd in graph_order if needs_bwd), None)
-        if not bwd or graph_id != last_backward:
+        if not bwd or graph_id != last_backward_graph(graph_order):
             return None
         if _state.phase == "single":  # DeepSpeed's pass as its module holds it now
             current = getattr(sys.modules.get(SELECTIVE_GATHER_MODULE), _SELECTIVE_GATHER,
@@ -367,8 +366,6 @@ def _warm_passes(first: List[Any], final: List[Any], with_group: bool) -> List[A
         else:
             passes.append(_guarded(fn, name))
     if with_group:
-        from .deepcompile_persistent import group_persistent_gathers
-
         passes.append(_guarded(group_persistent_gathers, None))
     return passes
 
@@ -399,18 +396,24 @@ def _launching_warm(launch: Callable) -> Callable:
         if not due:
             return launch(global_steps, *args, **kwargs)
         warm = single = False
-        if _state.phase is None and not _warm_startable(schedule) \
-                and settings.current().single_cycle:
-            _state.phase = "declined"
-            log.info("DeepCompile single cycle not taken: the pass schedule is not DeepSpeed's "
-                     "default (gather/release, then prefetch and selective_gather); it runs as "
-                     "configured")
-        if _state.phase is None and _warm_startable(schedule):
+        cold_why = ""  # why a single cycle does not start warm
+        if _state.phase is None:
             current = settings.current()
-            _state.phase, _state.single = "declined", current.single_cycle
-            if store.profile_store() is not None and current.warm_start:
-                warm = _agree(_has_manifest())
-            single = not warm and current.single_cycle
+            if _warm_startable(schedule):
+                _state.phase, _state.single = "declined", current.single_cycle
+                if store.profile_store() is None:
+                    cold_why = "no profile store"
+                elif not current.warm_start:
+                    cold_why = "warm start off"
+                else:
+                    warm = _agree(_has_manifest())
+                    cold_why = "the store holds no re-plan on every rank"
+                single = not warm and current.single_cycle
+            elif current.single_cycle:
+                _state.phase = "declined"
+                log.info("DeepCompile single cycle not taken: the pass schedule is not "
+                         "DeepSpeed's default (gather/release, then prefetch and "
+                         "selective_gather); it runs as configured")
         if warm or single:
             entries = list(schedule)
             passes = _warm_passes(entries[0][1], entries[-1][1],
@@ -419,10 +422,7 @@ def _launching_warm(launch: Callable) -> Callable:
             schedule.append((global_steps, passes))
             _state.phase, _state.rest = "tentative", entries[1:]
             if single:
-                _state.run_single("no warm start: " + (
-                    "no profile store" if store.profile_store() is None else
-                    "warm start off" if not settings.current().warm_start else
-                    "the store holds no re-plan on every rank"))
+                _state.run_single("no warm start: " + cold_why)
         entry_label = store.cycle_label(schedule[0][1])
         _state.first_key, _state.written = None, False
         _state.final = len(schedule) == 1 and _SELECTIVE_GATHER in entry_label.split(",")

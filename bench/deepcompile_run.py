@@ -15,7 +15,10 @@ reproduction); ``reuse3``, one frozen Linear applied three times between trainab
 ``eager-frozen``, the same with a frozen eager layer before a trainable one;
 ``eager-frozen-flagged``, that eager layer run with torch's compile-session flag up; ``llama``, an HF
 ``LlamaForCausalLM`` from a config (``--size``, see ``ds_z3native.models``) with PEFT LoRA on
-every linear layer, optionally with gradient checkpointing (``--checkpointing``).
+every linear layer, optionally with gradient checkpointing (``--checkpointing``), with
+``--layers N`` decoder layers instead of the size's. ``--time-scheduler`` times DeepCompile's
+ZeRO-3 scheduler on each graph with ds_z3native's requirement walk and with DeepSpeed's own, and
+checks the two orders are the same (the result's ``scheduler``).
 ``--mode eager`` trains the same model without compile, with ZeRO stage ``--eager-stage``
 (default 0: the reference). One process, one device; sets the launcher environment (RANK=0,
 WORLD_SIZE=1, MASTER_ADDR, a free MASTER_PORT) unless already set. Without CUDA (or with
@@ -193,22 +196,37 @@ def compiling_flag() -> Iterator[None]:
         torch.compiler._is_compiling_flag = old
 
 
-def build_llama(size_name: str, checkpointing: str) -> Any:
-    """The LoRA Llama of ``ds_z3native.models`` at ``size_name``, with gradient checkpointing
-    ``checkpointing`` (``none``, ``non-reentrant``, ``reentrant``) enabled the HF way."""
-    from ds_z3native.models import MODEL_SIZES, build_lora_llama
+def model_size(name: str, layers: Optional[int] = None) -> Any:
+    """The ``ds_z3native.models`` size ``name``, with ``layers`` decoder layers if given."""
+    import dataclasses
 
-    model, _ = build_lora_llama(MODEL_SIZES[size_name])
+    from ds_z3native.models import MODEL_SIZES
+
+    size = MODEL_SIZES[name]
+    if layers is None:
+        return size
+    if layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {layers}")
+    return dataclasses.replace(size, layers=layers)
+
+
+def build_llama(size: Any, checkpointing: str) -> Any:
+    """The LoRA Llama of ``ds_z3native.models`` at ``size`` (a ``ModelSize``), with gradient
+    checkpointing ``checkpointing`` (``none``, ``non-reentrant``, ``reentrant``) enabled the HF
+    way."""
+    from ds_z3native.models import build_lora_llama
+
+    model, _ = build_lora_llama(size)
     if checkpointing != "none":
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     return model
 
 
-def _llama_batch(size_name: str, step: int, seed: int, device: Any) -> List[Any]:
-    from ds_z3native.models import MODEL_SIZES, synthetic_batch
+def _llama_batch(size: Any, step: int, seed: int, device: Any) -> List[Any]:
+    from ds_z3native.models import synthetic_batch
 
-    ids = synthetic_batch(MODEL_SIZES[size_name], step, 0, seed).to(device)
+    ids = synthetic_batch(size, step, 0, seed).to(device)
     return [ids]
 
 
@@ -240,7 +258,8 @@ def _evaluate(engine: Any, args: Any, llama: bool, dtype: Any, device: Any, step
     with torch.no_grad():
         for i in range(2):
             if llama:
-                (ids,) = _llama_batch(args.size, 10**6 + 2 * step + i, args.seed, device)
+                (ids,) = _llama_batch(model_size(args.size, args.layers), 10**6 + 2 * step + i,
+                                      args.seed, device)
                 losses.append(float(engine(input_ids=ids, labels=ids).loss.float()))
             else:
                 losses.append(float(engine(*_batch(10**6 + 2 * step + i, args.seed, dtype, device))))
@@ -298,6 +317,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
             ds_z3native.set_group_persistent(False)
         if args.single_cycle:
             ds_z3native.set_single_cycle(True)
+    if args.time_scheduler:
+        result["scheduler"] = []
+        time_scheduler(result["scheduler"])
     bf16 = args.dtype == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     deepcompile = args.mode == "deepcompile"
@@ -305,10 +327,10 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     stage = 3 if deepcompile else args.eager_stage
     zero: Dict[str, Any] = {"stage": stage}
     batch = BATCH
+    size = model_size(args.size, args.layers) if llama else None
     if llama:
-        from ds_z3native.models import MODEL_SIZES, zero3_auto_values
+        from ds_z3native.models import zero3_auto_values
 
-        size = MODEL_SIZES[args.size]
         batch = size.batch
         if stage == 3:
             zero.update(zero3_auto_values(size.hidden))
@@ -325,7 +347,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         config["compile"] = {"deepcompile": True}
 
     torch.manual_seed(args.seed)
-    model = build_llama(args.size, args.checkpointing) if llama else build_model(args.model)
+    model = build_llama(size, args.checkpointing) if llama else build_model(args.model)
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     device = engine.device
@@ -347,7 +369,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
             profiler.__enter__()
         t0 = time.perf_counter()
         if llama:
-            (ids,) = _llama_batch(args.size, step, args.seed, device)
+            (ids,) = _llama_batch(size, step, args.seed, device)
             loss = engine(input_ids=ids, labels=ids).loss
         else:
             x, y = _batch(step, args.seed, dtype, device)
@@ -356,7 +378,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
             # An evaluation forward between a training forward and its backward.
             with torch.no_grad():
                 if llama:
-                    engine(input_ids=_llama_batch(args.size, step + 10**6, args.seed, device)[0])
+                    engine(input_ids=_llama_batch(size, step + 10**6, args.seed, device)[0])
                 else:
                     engine(*_batch(step + 10**6, args.seed, dtype, device))
         engine.backward(loss)
@@ -412,6 +434,44 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     result["requires_grad"] = {n: p.requires_grad for n, p in engine.module.named_parameters()}
 
 
+def time_scheduler(records: List[Dict[str, Any]]) -> None:
+    """Time DeepCompile's ZeRO-3 scheduler (``fast_free_schedule``) on each graph it orders in
+    this run, twice: as installed (with ds_z3native, its requirement walk) and with DeepSpeed's
+    own ``get_node_requirements``. The run goes on with the first schedule. Appends per graph
+    ``nodes``, ``allgathers``, ``installed_s``, ``deepspeed_s`` and ``same_order`` (whether the
+    two schedules are the same node order) to ``records``."""
+    from deepspeed.compile import list_schedule
+    from deepspeed.compile.passes import zero3_compile
+
+    schedule = zero3_compile.fast_free_schedule
+
+    def timed_schedule(graph: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        walk = list_schedule.get_node_requirements
+        theirs_walk = getattr(walk, "__wrapped__", walk)
+        gathers = sum(1 for n in graph.nodes if n.target == torch.ops.dc.allgather_param.default)
+        record: Dict[str, Any] = {"nodes": len(graph.nodes), "allgathers": gathers}
+        start = time.perf_counter()
+        ours = schedule(graph, *args, **kwargs)
+        record["installed_s"] = round(time.perf_counter() - start, 3)
+        list_schedule.get_node_requirements = theirs_walk
+        try:
+            start = time.perf_counter()
+            theirs = schedule(graph, *args, **kwargs)
+            record["deepspeed_s"] = round(time.perf_counter() - start, 3)
+            record["same_order"] = [n.name for n in ours.nodes] == [n.name for n in theirs.nodes]
+        except Exception as e:  # noqa: BLE001 - DeepSpeed's walk fails where ours is needed
+            record["deepspeed_error"] = f"{type(e).__name__}: {e}"
+        finally:
+            list_schedule.get_node_requirements = walk
+        records.append(record)
+        log.info("DeepCompile's scheduler on a graph of %d nodes: %s", record["nodes"], record)
+        return ours
+
+    zero3_compile.fast_free_schedule = timed_schedule
+
+
 def _persist_all_when_chosen_early() -> None:
     """Stand in for DeepCompile's persistence policy where it cannot run (on a CPU its memory
     profiles are incomplete and ``selective_gather`` keeps nothing): the re-plan's early choice
@@ -460,6 +520,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                             "eager-frozen-flagged", "llama"],
                         default="frozen-linear")
     parser.add_argument("--size", default="tiny", help="llama size (ds_z3native.models)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="the llama size's decoder layers, this many instead")
     parser.add_argument("--checkpointing", choices=["none", "non-reentrant", "reentrant"],
                         default="none", help="llama: HF gradient checkpointing")
     parser.add_argument("--eager-stage", type=int, choices=[0, 3], default=0,
@@ -481,6 +543,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="with ds_z3native: ds_z3native.set_group_persistent(False)")
     parser.add_argument("--single-cycle", action="store_true",
                         help="with ds_z3native: ds_z3native.set_single_cycle(True)")
+    parser.add_argument("--time-scheduler", action="store_true",
+                        help="time DeepCompile's scheduler on each graph, as installed and with "
+                             "DeepSpeed's own requirement walk (result: scheduler)")
     parser.add_argument("--count-ops", action="store_true",
                         help="profile the last step and record its dc / ds_z3native op calls")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")

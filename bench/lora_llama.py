@@ -328,6 +328,19 @@ def compile_seconds() -> Dict[str, float]:
         return {}
 
 
+def deepcompile_pass_seconds() -> Optional[List[Dict[str, Any]]]:
+    """DeepCompile's own timing of each graph's passes (``deepspeed.compile.backend``'s
+    ``opt_pass_times``), in the order they ran: per forward or backward graph compiled, the
+    seconds its compiler spent in DeepSpeed's passes, their profiling runs and the scheduler
+    (the part of AOTAutograd's time that is DeepCompile's). None where DeepSpeed keeps none."""
+    backend = sys.modules.get("deepspeed.compile.backend")
+    times = getattr(backend, "opt_pass_times", None)
+    if times is None:
+        return None
+    return [{"graph": int(index), "direction": str(kind), "s": round(float(seconds), 3)}
+            for kind, index, _graph_id, seconds in times]
+
+
 def _compile_window(before: Dict[str, float], after: Dict[str, float],
                     floor_s: float = 0.05) -> Dict[str, float]:
     """``after - before`` per counter (those of at least ``floor_s``), largest first; the
@@ -848,6 +861,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             "to_last_step": _compile_total(clock.compiled_before, compile_marks["4"],
                                            compile_marks["last"])}
         record["compile_counters"] = compile_counters()
+        record["deepcompile_pass_seconds"] = deepcompile_pass_seconds()
         import torch._dynamo.utils
 
         record["graph_breaks"] = int(sum(torch._dynamo.utils.counters["graph_break"].values()))

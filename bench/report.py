@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from bench.core.schema import (RESULTS_DIR, ROOT, add_ratios, metric_value, run_deepspeed, run_ok,
-                               run_variant)
+                               run_variant, same_run_ratio)
 
 log = logging.getLogger("bench.report")
 
@@ -402,11 +402,9 @@ def _scaling_cell(r: Optional[Mapping[str, Any]]) -> str:
 
 
 def _scaling_ratio(a: Optional[Mapping[str, Any]], b: Optional[Mapping[str, Any]]) -> str:
-    """``a``'s wall time to the last step over ``b``'s."""
-    if a is None or b is None or not run_ok(a) or not run_ok(b):
-        return "-"
-    x, y = metric_value(a, "wall_to_last_step_s"), metric_value(b, "wall_to_last_step_s")
-    return f"{x / y:.2f}x" if x is not None and y else "-"
+    """``a``'s wall time to the last step over ``b``'s, where both are of one run label."""
+    ratio = same_run_ratio(a, b, "wall_to_last_step_s")
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def _params(n: Any) -> str:
@@ -445,8 +443,16 @@ def _compile_scaling(result: Mapping[str, Any]) -> List[str]:
         params = next((((r.get("setup") or {}).get("model") or {}).get("params")
                        for r in (cold, warm, one, theirs) if r and r.get("setup")), None)
         phases = ((cold or {}).get("compile_seconds") or {}).get("to_last_step") or {}
-        rows.append([str(n), _params(params), _scaling_cell(cold), _scaling_cell(warm),
-                     *([_scaling_cell(one)] if single else []), _scaling_cell(theirs),
+        # A row whose runs come from more than one invocation names each cell's run label
+        # (ratios are only taken within one).
+        labels = {r.get("run") for r in (cold, warm, one, theirs) if r and r.get("run")}
+
+        def cell(r: Optional[Mapping[str, Any]]) -> str:
+            text = _scaling_cell(r)
+            return f"{text} ({r['run']})" if r and r.get("run") and len(labels) > 1 else text
+
+        rows.append([str(n), _params(params), cell(cold), cell(warm),
+                     *([cell(one)] if single else []), cell(theirs),
                      _scaling_ratio(cold, theirs), _scaling_ratio(warm, theirs),
                      *([_scaling_ratio(one, theirs)] if single else []),
                      " / ".join(_num(phases.get(key), "{:.0f}") for _, key in _PHASES)
@@ -703,34 +709,33 @@ def _summary_trainer(result: Mapping[str, Any], size: str) -> List[List[str]]:
 
 
 def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
-    """At the run's deepest depth: our cold and warm wall time to the last step against
-    DeepSpeed's op's cold one (no row without both cold runs)."""
+    """At the run's deepest depth: our cold, warm and single-cycle wall time to the last step
+    against DeepSpeed's op's cold one, each where the summary has it (runs of one label); no row
+    without any."""
     summary = result.get("summary") or {}
     n = summary.get("layers")
-    cold, warm, one, theirs = (_scaling_run(result, v, n) if isinstance(n, int) else None for v in
-                               ("ours-cold", "ours-warm", "ours-single", "deepspeed-cold"))
-    ratio = summary.get("cold_vs_deepspeed")
-    if not isinstance(ratio, (int, float)) or cold is None or theirs is None:
+    theirs = _scaling_run(result, "deepspeed-cold", n) if isinstance(n, int) else None
+    wall = "wall_to_last_step_s"
+    ours = []  # (what, run, ratio)
+    for variant, what, key in (("ours-cold", "cold", "cold_vs_deepspeed"),
+                               ("ours-warm", "warm", "warm_vs_deepspeed"),
+                               ("ours-single", "single cycle (cold)", "single_vs_deepspeed")):
+        r = _scaling_run(result, variant, n) if isinstance(n, int) else None
+        ratio = summary.get(key)
+        if r is not None and isinstance(ratio, (int, float)):
+            ours.append((what, r, ratio))
+    if theirs is None or not ours:
         return []
-    warm_ratio = summary.get("warm_vs_deepspeed")
-    one_ratio = summary.get("single_vs_deepspeed")
     ckpt_ours, ckpt_theirs = _scaling_checkpointing(result)
     last = (result.get("setup") or {}).get("last_step", "?")
-    wall = "wall_to_last_step_s"
     return [[f"DeepCompile, `engine.compile()` to the end of step {last}, {n} layers of the "
              f"1 B LoRA shape, checkpointing",
-             f"{_num(metric_value(cold, wall), '{:.0f}')} s cold"
-             + (f", {_num(metric_value(warm, wall), '{:.0f}')} s warm"
-                if warm is not None and run_ok(warm) else "")
-             + (f", {_num(metric_value(one, wall), '{:.0f}')} s single cycle (cold)"
-                if one is not None and run_ok(one) else ""),
+             ", ".join(f"{_num(metric_value(r, wall), '{:.0f}')} s {what}" for what, r, _ in ours),
              f"{_num(metric_value(theirs, wall), '{:.0f}')} s (DeepSpeed's own op, cold"
              + (f", {_ckpt_words(ckpt_theirs)})" if ckpt_theirs != ckpt_ours else ")"),
-             f"{ratio:.2f}x the time cold"
-             + (f", {warm_ratio:.2f}x warm" if isinstance(warm_ratio, (int, float)) else "")
-             + (f", {one_ratio:.2f}x single cycle" if isinstance(one_ratio, (int, float))
-                else ""),
-             _measured(result, cold, gpus=1)]]
+             ", ".join(f"{ratio:.2f}x {what.split(' (')[0]}" for what, _, ratio in ours)
+             + " (wall time)",
+             _measured(result, theirs, gpus=1)]]
 
 
 _SUMMARIES: Dict[str, Callable[[Mapping[str, Any]], List[List[str]]]] = {

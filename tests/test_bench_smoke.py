@@ -1004,7 +1004,7 @@ def test_report_tables_compile_scaling_and_sums_it_up(tmp_path: Path) -> None:
     (row,) = [ln for ln in summary.splitlines() if ln.startswith("| DeepCompile")]
     assert row == ("| DeepCompile, `engine.compile()` to the end of step 20, 16 layers of the 1 B "
                    "LoRA shape, checkpointing | 300 s cold, 240 s warm | 400 s (DeepSpeed's own "
-                   "op, cold) | 0.75x the time cold, 0.60x warm | 2026-02-02, 1 x NVIDIA H200 |")
+                   "op, cold) | 0.75x cold, 0.60x warm (wall time) | 2026-02-02, 1 x NVIDIA H200 |")
     # A single-cycle run gets its own columns and its part of the summary row; none without.
     assert "single cycle" not in block
     with_single = {**result, "runs": {**runs, **single},
@@ -1018,8 +1018,25 @@ def test_report_tables_compile_scaling_and_sums_it_up(tmp_path: Path) -> None:
         "0.75x", "0.60x", "0.45x", "160 / - / - / 80"]
     assert "300 s cold, 240 s warm, 180 s single cycle (cold) |" in \
         report.render_summary(report.load_results(tmp_path))
-    assert "0.75x the time cold, 0.60x warm, 0.45x single cycle |" in \
+    assert "0.75x cold, 0.60x warm, 0.45x single cycle (wall time) |" in \
         report.render_summary(report.load_results(tmp_path))
+    # Runs of another invocation (run label) are shown with their label and compared with
+    # nothing; the summary row keeps the ratios it has.
+    later = {k: {**r, "run": "later"} for k, r in {**runs, **single}.items()
+             if k in ("ours-single-16l", "deepspeed-cold-16l")}
+    mixed = {**runs, **single, **later}
+    (tmp_path / "compile_scaling.json").write_text(json.dumps(
+        {**result, "runs": mixed, "summary": summarize_scaling(mixed, [8, 16])}))
+    results = report.load_results(tmp_path)
+    (row16,) = [ln for ln in report.render_block(results).splitlines() if ln.startswith("| 16 |")]
+    assert [c.strip() for c in row16.split("|")[2:-1]] == [
+        "0.96 B", "160 / 40 / 300 s (2026-02-02T00:00:00+00:00)",
+        "80 / 20 / 240 s (2026-02-02T00:00:00+00:00)", "170 / 42 / 180 s (later)",
+        "200 / 50 / 400 s (later)", "-", "-", "0.45x", "160 / - / - / 80"]
+    (row,) = [ln for ln in report.render_summary(results).splitlines()
+              if ln.startswith("| DeepCompile")]
+    assert "| 180 s single cycle (cold) | 400 s (DeepSpeed's own op, cold) | " \
+        "0.45x single cycle (wall time) |" in row
     # DeepSpeed's baseline run without checkpointing (DeepSpeed alone fails with it): the
     # table's column and the summary row say so.
     result["setup"]["checkpointing"] = {"ours": "non-reentrant", "deepspeed": "none"}
@@ -1199,7 +1216,8 @@ def test_compile_scaling_smoke_on_cpu(tmp_path: Path) -> None:
     assert setup["steps"] == setup["last_step"] == 7
     assert "step 7, not 20" in setup["last_step_note"]
     assert set(setup["metrics"]) >= {"compile_to_first_step_s", "replan_step_s",
-                                     "wall_to_last_step_s", "compile_seconds", "compile_counters"}
+                                     "wall_to_last_step_s", "compile_seconds", "compile_counters",
+                                     "deepcompile_pass_seconds"}
     runs = result["runs"]
     assert set(runs) == {"ours-cold-2l", "ours-warm-2l", "deepspeed-cold-2l"}
     assert result["baseline"] is None and all(r["ratio"] is None for r in runs.values())
@@ -1225,6 +1243,11 @@ def test_compile_scaling_smoke_on_cpu(tmp_path: Path) -> None:
         assert phases["to_last_step"][inner] == pytest.approx(
             phases["first_step"][inner] + phases["replan"].get(inner, 0), abs=0.5)
         assert run["compile_counters"]["stats"]["unique_graphs"] > 0
+        # DeepCompile's pass time per graph compiled: a forward and a backward graph per compile
+        # (the cold run compiles at step 0 and at the re-plan, the warm run at step 0 only).
+        passes = run["deepcompile_pass_seconds"]
+        assert [p["direction"] for p in passes] == ["fwd", "bwd"] * (2 if run is cold else 1)
+        assert all(p["s"] > 0 for p in passes)
     assert cold["warm_start"]["manifests_written"] == 1 and cold["warm_start"]["started"] == 0
     assert warm["warm_start"]["started"] == 1 and warm["warm_start"]["fell_back"] == 0
     assert warm["compile_seconds"]["replan"].get("_compile.compile_inner", 0) == 0

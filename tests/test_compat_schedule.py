@@ -4,7 +4,7 @@ tests/test_trainers.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -115,6 +115,54 @@ def test_a_deep_graph_needs_no_recursion(installed: None) -> None:
         node = graph.call_function(torch.relu, (node,))
     graph.output(node)
     assert len(list_schedule.get_node_requirements(node, [first])) == 5000
+
+
+def _chain_graph(length: int) -> Tuple[Any, List[Any]]:
+    graph = torch.fx.Graph()
+    nodes = [graph.placeholder("x")]
+    for _ in range(length):
+        nodes.append(graph.call_function(torch.relu, (nodes[-1],)))
+    graph.output(nodes[-1])
+    return graph, nodes
+
+
+def test_the_scheduled_set_follows_a_growing_list_and_takes_a_path_on_top_as_a_tail() -> None:
+    from ds_z3native.compat.deepcompile_schedule import _Scheduled
+
+    _, nodes = _chain_graph(6)
+    seen = _Scheduled()
+    scheduled = nodes[:2]
+    base, tail = seen.split(scheduled)
+    assert base == set(nodes[:2]) and tail == []
+    scheduled.append(nodes[2])  # the scheduler appends: the same set grows
+    again, tail = seen.split(scheduled)
+    assert again is base and again == set(nodes[:3]) and tail == []
+    # The list plus a path (a new list starting with it): its tail only, the set unchanged.
+    again, tail = seen.split(scheduled + nodes[3:5])
+    assert again is base and again == set(nodes[:3]) and tail == nodes[3:5]
+    # A list with other nodes where the followed one had its own starts a new set.
+    other, tail = seen.split([nodes[0], nodes[4], nodes[5]])
+    assert other is not base and other == {nodes[0], nodes[4], nodes[5]} and tail == []
+
+
+def test_requirements_on_top_of_a_path_leave_the_path_out_and_later_calls_see_it_again(
+        installed: None) -> None:
+    # The scheduler asks for the requirements of a node given its schedule plus a candidate
+    # path (scheduled + schedule_until_ag), then again given its schedule alone: the path's
+    # nodes are skipped the first time only.
+    from deepspeed.compile import list_schedule
+
+    _, nodes = _chain_graph(8)
+    walk = list_schedule.get_node_requirements
+    scheduled = nodes[:2]
+    assert _names(walk(nodes[5], scheduled)) == _names(nodes[2:6])
+    assert _names(walk(nodes[5], scheduled + nodes[2:4])) == _names(nodes[4:6])
+    assert _names(walk(nodes[5], scheduled)) == _names(nodes[2:6])
+    scheduled.extend(nodes[2:4])
+    assert _names(walk(nodes[7], scheduled)) == _names(nodes[4:8])
+    assert walk(nodes[3], scheduled) == []
+    for schedule in ([nodes[0]], nodes[:2], nodes[:2] + nodes[2:5]):
+        assert walk(nodes[6], schedule) == walk.__wrapped__(nodes[6], schedule)
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from ds_z3native.settings import PROFILE_STORE_ENV, SINGLE_CYCLE_ENV
 from bench.core.registry import BenchContext, Benchmark, register
 from bench.core.runner import Command, run_command
-from bench.core.schema import metric_value, read_json, run_ok, versions
+from bench.core.schema import metric_value, read_json, run_ok, same_run_ratio, versions
 
 log = logging.getLogger("bench.benchmarks.compile_scaling")
 
@@ -79,6 +79,10 @@ METRICS = {
                        "(_compile.compile_inner holds the rest), so they do not add up",
     "compile_counters": "torch._dynamo.utils.counters at the end of the run (frames, captured "
                         "calls, unique graphs, inductor's and AOTAutograd's cache outcomes)",
+    "deepcompile_pass_seconds": "DeepCompile's own timing of each compiled graph's passes "
+                                "(deepspeed.compile.backend.opt_pass_times: its passes, their "
+                                "profiling runs and the scheduler), per graph in the order "
+                                "compiled",
 }
 
 
@@ -283,16 +287,6 @@ def _brief(entry: Mapping[str, Any]) -> str:
                      if metric_value(entry, k) is not None)
 
 
-def _ratio(a: Optional[Mapping[str, Any]], b: Optional[Mapping[str, Any]],
-           metric: str) -> Optional[float]:
-    """``a``'s ``metric`` over ``b``'s; None unless both runs are ok, have it and belong to one
-    run label (runs of separate invocations are not compared)."""
-    if a is None or b is None or not run_ok(a) or not run_ok(b) or a.get("run") != b.get("run"):
-        return None
-    x, y = metric_value(a, metric), metric_value(b, metric)
-    return x / y if x is not None and y else None
-
-
 def summarize_scaling(runs: Mapping[str, Mapping[str, Any]],
                       layers: Sequence[int]) -> Dict[str, Any]:
     """The result's ``summary``, at the deepest of ``layers``: ``cold_vs_deepspeed``,
@@ -310,20 +304,21 @@ def summarize_scaling(runs: Mapping[str, Mapping[str, Any]],
     growth = None
     if len(measured) >= 2:
         a, b = measured[-2], measured[-1]
-        ratio = _ratio(run("ours-cold", b), run("ours-cold", a), "compile_to_first_step_s")
+        ratio = same_run_ratio(run("ours-cold", b), run("ours-cold", a), "compile_to_first_step_s")
         if ratio is not None:
             growth = {"from_layers": a, "to_layers": b, "ratio": ratio}
     return {
         "layers": deepest,
         "metric": "wall_to_last_step_s",
-        "cold_vs_deepspeed": _ratio(run("ours-cold", deepest), run("deepspeed-cold", deepest),
-                                    "wall_to_last_step_s"),
-        "warm_vs_deepspeed": _ratio(run("ours-warm", deepest), run("deepspeed-cold", deepest),
-                                    "wall_to_last_step_s"),
-        "single_vs_deepspeed": _ratio(run("ours-single", deepest),
-                                      run("deepspeed-cold", deepest), "wall_to_last_step_s"),
-        "growth_8_to_16": _ratio(run("ours-cold", 16), run("ours-cold", 8),
-                                 "compile_to_first_step_s"),
+        "cold_vs_deepspeed": same_run_ratio(run("ours-cold", deepest),
+                                            run("deepspeed-cold", deepest), "wall_to_last_step_s"),
+        "warm_vs_deepspeed": same_run_ratio(run("ours-warm", deepest),
+                                            run("deepspeed-cold", deepest), "wall_to_last_step_s"),
+        "single_vs_deepspeed": same_run_ratio(run("ours-single", deepest),
+                                              run("deepspeed-cold", deepest),
+                                              "wall_to_last_step_s"),
+        "growth_8_to_16": same_run_ratio(run("ours-cold", 16), run("ours-cold", 8),
+                                         "compile_to_first_step_s"),
         "compile_growth": growth,
     }
 

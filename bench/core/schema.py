@@ -121,6 +121,16 @@ def run_ok(record: Mapping[str, Any]) -> bool:
     return not record.get("error") and record.get("status", "ok") == "ok"
 
 
+def same_run_ratio(a: Optional[Mapping[str, Any]], b: Optional[Mapping[str, Any]],
+                   metric: str) -> Optional[float]:
+    """``a``'s ``metric`` over ``b``'s; None unless both runs are ok, have it and belong to one
+    run label (runs of separate invocations are not compared)."""
+    if a is None or b is None or not run_ok(a) or not run_ok(b) or a.get("run") != b.get("run"):
+        return None
+    x, y = metric_value(a, metric), metric_value(b, metric)
+    return x / y if x is not None and y else None
+
+
 def pick_baseline(runs: Mapping[str, Mapping[str, Any]], preferred: Sequence[str],
                   deepspeed: Optional[str] = None) -> Optional[str]:
     """The run key of the first variant in ``preferred`` that has a successful run (restricted

@@ -10,7 +10,10 @@ run meets, each fixed by a patch:
   as ``attn_mask=where``: the scheduler placed the SDPA node before the ``where`` that computes
   its mask and failed with ``KeyError: 'where'`` (``make_graph_from_schedule``) at the first
   evaluation of every Trainer run with ``eval_strategy`` set. With the patch keyword inputs are
-  dependencies like positional ones; for graphs without them the schedule is the same.
+  dependencies like positional ones; for graphs without them the schedule is the same. The
+  patched walk also keeps the set of scheduled nodes from one call to the next (:class:`_Scheduled`)
+  where DeepSpeed's builds it from the whole list on each call: the same schedule, in a ninth of
+  the time on a 16-layer decoder's forward graph and half on its backward.
 * :data:`DEEPCOMPILE_RESUME_SCHEDULE`: DeepSpeed launches its compile passes when the engine's
   ``global_steps`` equals a scheduled step (0, then 5 for the profile-driven re-plan).
   ``load_checkpoint`` sets ``global_steps`` to the checkpoint's step, so a resumed run never
@@ -24,7 +27,7 @@ run meets, each fixed by a patch:
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 from packaging.version import Version
 
@@ -32,7 +35,7 @@ from . import Patch, Undo
 from ._rebind import rebind_when_imported, undo_all, when_module_imported, wrap_function
 
 __all__ = ["DEEPCOMPILE_KWARGS_DEPENDENCIES", "DEEPCOMPILE_RESUME_SCHEDULE", "PATCHES",
-           "node_inputs", "shift_schedule", "wrap_launch_compile_passes"]
+           "shift_schedule", "wrap_launch_compile_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +54,6 @@ def _flat_nodes(value: Any) -> List[Any]:
     return found
 
 
-def node_inputs(node: Any) -> List[Any]:
-    """The graph nodes ``node`` reads: in its positional arguments, then its keyword arguments."""
-    return _flat_nodes(node.args) + _flat_nodes(node.kwargs)
-
-
 def _with_kwarg_inputs(filter_args: Callable) -> Callable:
     def filter_args_and_kwargs(node: Any) -> List[Any]:
         found = list(filter_args(node))
@@ -67,30 +65,80 @@ def _with_kwarg_inputs(filter_args: Callable) -> Callable:
     return filter_args_and_kwargs
 
 
+class _Scheduled:
+    """The nodes of a scheduler's ``scheduled`` list as a set, kept across calls.
+
+    DeepSpeed's ``fast_free_schedule`` asks for a node's requirements a few hundred thousand times
+    on a 16-layer decoder's graph, each time with its growing list of scheduled nodes or with that
+    list plus a short path (``scheduled + schedule_until_ag``). Building a set of the whole list on
+    each call made the scheduler quadratic in the graph's size (minutes of a compile at 16 layers).
+    Here the set of the list seen last grows by what was appended to it since; a list that starts
+    with that list's nodes (checked element by element, in C) adds only its tail; any other list
+    starts a new set. The list the set follows must only grow by appending while it is followed,
+    which is how the scheduler builds its schedule. One lives on each graph being scheduled
+    (:func:`_scheduled_of`), and goes with it.
+    """
+
+    def __init__(self) -> None:
+        self._list: Optional[List[Any]] = None
+        self._set: Set[Any] = set()
+        self._length = 0
+
+    def split(self, scheduled: List[Any]) -> Tuple[Set[Any], List[Any]]:
+        """``(base, tail)``: ``scheduled``'s nodes are those of ``base`` and of ``tail``."""
+        n = self._length
+        followed = self._list
+        if (followed is not None and len(scheduled) >= n
+                and (n == 0 or scheduled[n - 1] is followed[n - 1])):
+            if scheduled is followed:
+                self._set.update(scheduled[n:])
+                self._length = len(scheduled)
+                return self._set, []
+            if scheduled[:n] == followed[:n]:
+                return self._set, scheduled[n:]
+        self._list = scheduled
+        self._set = set(scheduled)
+        self._length = len(scheduled)
+        return self._set, []
+
+
+_SCHEDULED_ATTR = "_ds_z3native_scheduled"
+
+
+def _scheduled_of(node: Any) -> _Scheduled:
+    graph = node.graph
+    found = getattr(graph, _SCHEDULED_ATTR, None)
+    if found is None:
+        found = _Scheduled()
+        setattr(graph, _SCHEDULED_ATTR, found)
+    return found
+
+
 def _requirements_with_kwargs(get_node_requirements: Callable) -> Callable:
     def node_requirements(target_node: Any, scheduled: List[Any]) -> List[Any]:
         # Every not yet scheduled node that target_node depends on, itself included, producers
         # before consumers: a depth-first post-order over positional then keyword inputs (the
-        # order DeepSpeed's own walk gives over positional inputs alone). Iterative: a decoder's
-        # graph is thousands of nodes deep.
-        done = set(scheduled)
+        # order DeepSpeed's own walk gives over positional inputs alone; fx's all_input_nodes
+        # lists them so, each once). Iterative: a decoder's graph is thousands of nodes deep.
+        done, tail = _scheduled_of(target_node).split(scheduled)
+        # Nodes of the tail count as visited: skipped by the walk, never returned.
+        visited = set(tail)
         ordered: List[Any] = []
-        visited = set()
-        stack: List[Tuple[Any, int, List[Any]]] = []
-        if target_node not in done:
-            visited.add(target_node)
-            stack.append((target_node, 0, node_inputs(target_node)))
-        while stack:
-            node, i, inputs = stack[-1]
-            if i < len(inputs):
-                stack[-1] = (node, i + 1, inputs)
-                child = inputs[i]
+        if target_node in done or target_node in visited:
+            return ordered
+        visited.add(target_node)
+        path = [target_node]
+        pending = [iter(target_node.all_input_nodes)]  # per node of the path: inputs left
+        while pending:
+            for child in pending[-1]:
                 if child not in done and child not in visited:
                     visited.add(child)
-                    stack.append((child, 0, node_inputs(child)))
+                    path.append(child)
+                    pending.append(iter(child.all_input_nodes))
+                    break
             else:
-                stack.pop()
-                ordered.append(node)
+                pending.pop()
+                ordered.append(path.pop())
         return ordered
 
     return node_requirements

@@ -52,6 +52,19 @@ _WATCHDOG_OUT = None  # where the watchdog writes (kept open for the process's l
 _GIL_BACKSTOP_S = 60.0  # faulthandler's timer fires this long after the watchdog thread's
 
 
+def deepcompile_pass_seconds() -> Optional[List[Dict[str, Any]]]:
+    """DeepCompile's own timing of each graph's passes (``deepspeed.compile.backend``'s
+    ``opt_pass_times``), in the order they ran: per forward or backward graph compiled, the
+    seconds its compiler spent in DeepSpeed's passes, their profiling runs and the scheduler
+    (the part of AOTAutograd's time that is DeepCompile's). None where DeepSpeed keeps none."""
+    backend = sys.modules.get("deepspeed.compile.backend")
+    times = getattr(backend, "opt_pass_times", None)
+    if times is None:
+        return None
+    return [{"graph": int(index), "direction": str(kind), "s": round(float(seconds), 3)}
+            for kind, index, _graph_id, seconds in times]
+
+
 def arm_watchdog(seconds: float) -> None:
     """Past ``seconds``, print every thread's stack to stderr and exit with 1 (a hang becomes a
     diagnosable failure). The dump goes to a copy of the stderr descriptor taken now: libraries
@@ -398,6 +411,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         result["step_s"] = step_times
         log.info("step %d/%d: loss %.5f, %.3f s", step + 1, args.steps, result["losses"][-1],
                  step_times[-1])
+    result["deepcompile_pass_seconds"] = deepcompile_pass_seconds()
     result["step_ms_after_warmup"] = (1000 * sum(step_times[6:]) / max(1, len(step_times[6:])))
     result["graph_breaks"] = int(sum(counters["graph_break"].values()))
     result["graph_break_reasons"] = sorted({k.splitlines()[0] for k in counters["graph_break"]})

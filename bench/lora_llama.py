@@ -105,9 +105,11 @@ from packaging.version import Version
 
 try:  # run as bench/lora_llama.py, its folder is on the path; imported as bench.lora_llama
     from bench.conditions import GpuConditions
+    from bench.deepcompile_run import deepcompile_pass_seconds
     from bench.trace_breakdown import breakdown_file
 except ImportError:
     from conditions import GpuConditions
+    from deepcompile_run import deepcompile_pass_seconds
     from trace_breakdown import breakdown_file
 
 log = logging.getLogger("bench.lora_llama")
@@ -326,19 +328,6 @@ def compile_seconds() -> Dict[str, float]:
     except Exception as e:  # noqa: BLE001 - a figure missing, not a failed run
         log.warning("torch's compile-time counters are not readable here (%s)", e)
         return {}
-
-
-def deepcompile_pass_seconds() -> Optional[List[Dict[str, Any]]]:
-    """DeepCompile's own timing of each graph's passes (``deepspeed.compile.backend``'s
-    ``opt_pass_times``), in the order they ran: per forward or backward graph compiled, the
-    seconds its compiler spent in DeepSpeed's passes, their profiling runs and the scheduler
-    (the part of AOTAutograd's time that is DeepCompile's). None where DeepSpeed keeps none."""
-    backend = sys.modules.get("deepspeed.compile.backend")
-    times = getattr(backend, "opt_pass_times", None)
-    if times is None:
-        return None
-    return [{"graph": int(index), "direction": str(kind), "s": round(float(seconds), 3)}
-            for kind, index, _graph_id, seconds in times]
 
 
 def _compile_window(before: Dict[str, float], after: Dict[str, float],

@@ -710,13 +710,16 @@ def _summary_trainer(result: Mapping[str, Any], size: str) -> List[List[str]]:
 
 def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
     """At the run's deepest depth: our cold, warm and single-cycle wall time to the last step
-    against DeepSpeed's op's cold one, each where the summary has it (runs of one label); no row
-    without any."""
+    against DeepSpeed's op's cold one, each where the summary has it (runs of one label). Where
+    no run of ours shares DeepSpeed's label, the times of ours of one label (the label of the
+    last of cold, warm, single cycle that finished) with no ratio, the labels named; no row
+    without DeepSpeed's run or any of ours."""
     summary = result.get("summary") or {}
     n = summary.get("layers")
     theirs = _scaling_run(result, "deepspeed-cold", n) if isinstance(n, int) else None
     wall = "wall_to_last_step_s"
     ours = []  # (what, run, ratio)
+    others = []  # runs of ours that finished, of another label than DeepSpeed's
     for variant, what, key in (("ours-cold", "cold", "cold_vs_deepspeed"),
                                ("ours-warm", "warm", "warm_vs_deepspeed"),
                                ("ours-single", "single cycle (cold)", "single_vs_deepspeed")):
@@ -724,17 +727,27 @@ def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
         ratio = summary.get(key)
         if r is not None and isinstance(ratio, (int, float)):
             ours.append((what, r, ratio))
-    if theirs is None or not ours:
+        elif r is not None and run_ok(r):
+            others.append((what, r))
+    if theirs is None or not run_ok(theirs) or not (ours or others):
         return []
     ckpt_ours, ckpt_theirs = _scaling_checkpointing(result)
     last = (result.get("setup") or {}).get("last_step", "?")
+    if ours:
+        shown = ", ".join(f"{_num(metric_value(r, wall), '{:.0f}')} s {what}" for what, r, _ in ours)
+        verdict = (", ".join(f"{ratio:.2f}x {what.split(' (')[0]}" for what, _, ratio in ours)
+                   + " (wall time)")
+    else:
+        label = others[-1][1].get("run")
+        shown = ", ".join(f"{_num(metric_value(r, wall), '{:.0f}')} s {what}"
+                          for what, r in others if r.get("run") == label) + f", run {label}"
+        verdict = f"no ratio: not one run (DeepSpeed's: run {theirs.get('run')})"
     return [[f"DeepCompile, `engine.compile()` to the end of step {last}, {n} layers of the "
              f"1 B LoRA shape, checkpointing",
-             ", ".join(f"{_num(metric_value(r, wall), '{:.0f}')} s {what}" for what, r, _ in ours),
+             shown,
              f"{_num(metric_value(theirs, wall), '{:.0f}')} s (DeepSpeed's own op, cold"
              + (f", {_ckpt_words(ckpt_theirs)})" if ckpt_theirs != ckpt_ours else ")"),
-             ", ".join(f"{ratio:.2f}x {what.split(' (')[0]}" for what, _, ratio in ours)
-             + " (wall time)",
+             verdict,
              _measured(result, theirs, gpus=1)]]
 
 

@@ -16,6 +16,7 @@
 #ifdef DSZ_WITH_CUDA
 #include <cuda_runtime_api.h>
 #include "comm/nccl_collectives.h"
+#include "device/cuda_device.h"
 #endif
 
 #ifndef DSZ_ARCH_LIST
@@ -290,6 +291,17 @@ PYBIND11_MODULE(_C, m)
           "dropped by reset().");
     m.def("graph_aliases", [] { return withoutGil([] { return get("graph_aliases")->graphAliases(); }); },
           "The graph aliases: {alias_id: graph_id}.");
+
+#ifdef DSZ_WITH_CUDA
+    m.def("cuda_allocated_bytes",
+          [](int64_t device) {
+              const dsz::AllocatedBytes b = dsz::cudaAllocatedBytes(device);
+              return py::make_tuple(b.current, b.peak);
+          },
+          py::arg("device"),
+          "(torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)) in one "
+          "read of the caching allocator's counters (CUDA build only).");
+#endif
 
     // The runtime may hold a process group: release it while the interpreter is still alive.
     py::module_::import("atexit").attr("register")(

@@ -838,7 +838,7 @@ def test_gpu_conditions_say_why_there_are_none(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- compile_scaling
 
 SUMMARY_KEYS = {"layers", "metric", "cold_vs_deepspeed", "warm_vs_deepspeed",
-                "single_vs_deepspeed", "growth_8_to_16", "compile_growth"}
+                "single_vs_deepspeed", "growth_8_to_16", "single_growth_8_to_16", "compile_growth"}
 
 
 def _plan(*argv: str) -> subprocess.CompletedProcess:
@@ -935,6 +935,7 @@ def test_compile_scaling_summary_is_taken_at_the_deepest_depth() -> None:
             "ours-cold-16l": _scaling_run(first=150.0, wall=300.0),
             "ours-warm-16l": _scaling_run(first=60.0, wall=240.0),
             "ours-single-16l": _scaling_run(first=170.0, wall=180.0),
+            "ours-single-8l": _scaling_run(first=85.0, wall=90.0),
             "deepspeed-cold-16l": _scaling_run(first=180.0, wall=400.0),
             "deepspeed-cold-8l": _scaling_run(first=120.0, wall=250.0)}
     summary = summarize_scaling(runs, [2, 4, 8, 16])
@@ -944,6 +945,7 @@ def test_compile_scaling_summary_is_taken_at_the_deepest_depth() -> None:
     assert summary["warm_vs_deepspeed"] == pytest.approx(240.0 / 400.0)
     assert summary["single_vs_deepspeed"] == pytest.approx(180.0 / 400.0)
     assert summary["growth_8_to_16"] == pytest.approx(150.0 / 100.0)  # compile to step 1
+    assert summary["single_growth_8_to_16"] == pytest.approx(170.0 / 85.0)
     assert summary["compile_growth"] == {"from_layers": 8, "to_layers": 16,
                                          "ratio": pytest.approx(1.5)}
     # The deepest depth of the run is 32: its runs failed or are missing, so its comparisons are
@@ -1037,6 +1039,15 @@ def test_report_tables_compile_scaling_and_sums_it_up(tmp_path: Path) -> None:
               if ln.startswith("| DeepCompile")]
     assert "| 180 s single cycle (cold) | 400 s (DeepSpeed's own op, cold) | " \
         "0.45x single cycle (wall time) |" in row
+    # No run of ours shares DeepSpeed's label: the row shows those of ours of one label (the
+    # single cycle's, the last listed) and no ratio.
+    apart = {**mixed, "ours-single-16l": {**mixed["ours-single-16l"], "run": "latest"}}
+    (tmp_path / "compile_scaling.json").write_text(json.dumps(
+        {**result, "runs": apart, "summary": summarize_scaling(apart, [8, 16])}))
+    (row,) = [ln for ln in report.render_summary(report.load_results(tmp_path)).splitlines()
+              if ln.startswith("| DeepCompile")]
+    assert "| 180 s single cycle (cold), run latest | 400 s (DeepSpeed's own op, cold) | " \
+        "no ratio: not one run (DeepSpeed's: run later) |" in row, row
     # DeepSpeed's baseline run without checkpointing (DeepSpeed alone fails with it): the
     # table's column and the summary row say so.
     result["setup"]["checkpointing"] = {"ours": "non-reentrant", "deepspeed": "none"}

@@ -123,6 +123,11 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         ("deepspeed.comm.comm", "all_gather", ())],
     "deepcompile-cpu-device": [
         ("deepspeed.accelerator.cpu_accelerator", "CPU_Accelerator.current_device", ("self",))],
+    "cuda-memory-counters": [
+        ("deepspeed.accelerator.cuda_accelerator", "CUDA_Accelerator.memory_allocated",
+         ("self", "device_index")),
+        ("deepspeed.accelerator.cuda_accelerator", "CUDA_Accelerator.max_memory_allocated",
+         ("self", "device_index"))],
     "hf-trainer-zero3-flos": [],  # transformers' Trainer only: see tests/test_hf_trainer_loop.py
     "engine-train-unchanged-mode": [
         (_ENGINE, "DeepSpeedEngine.train", ("self", "mode"))],

@@ -292,8 +292,8 @@ def summarize_scaling(runs: Mapping[str, Mapping[str, Any]],
     """The result's ``summary``, at the deepest of ``layers``: ``cold_vs_deepspeed``,
     ``warm_vs_deepspeed`` and ``single_vs_deepspeed`` (our cold / warm / single-cycle cold wall
     time to the last step over DeepSpeed's cold),
-    ``growth_8_to_16`` (our cold compile to the end of step 1 at 16 layers over 8), and
-    ``compile_growth``, the same between the two deepest depths where our cold run has both;
+    ``growth_8_to_16`` (our cold compile to the end of step 1 at 16 layers over 8),
+    ``single_growth_8_to_16`` (the same for the single-cycle cold run), and ``compile_growth``, the same between the two deepest depths where our cold run has both;
     None for each figure whose runs are missing or did not finish."""
     deepest = max(layers) if layers else None
 
@@ -319,6 +319,8 @@ def summarize_scaling(runs: Mapping[str, Mapping[str, Any]],
                                               "wall_to_last_step_s"),
         "growth_8_to_16": same_run_ratio(run("ours-cold", 16), run("ours-cold", 8),
                                          "compile_to_first_step_s"),
+        "single_growth_8_to_16": same_run_ratio(run("ours-single", 16), run("ours-single", 8),
+                                                "compile_to_first_step_s"),
         "compile_growth": growth,
     }
 

@@ -98,4 +98,16 @@ void CudaEvent::block(StreamRole role)
 
 std::unique_ptr<DeviceBackend> makeCudaDevice() { return std::make_unique<CudaDevice>(); }
 
+AllocatedBytes cudaAllocatedBytes(int64_t device)
+{
+    const int64_t visible = c10::cuda::device_count();
+    TORCH_CHECK(device >= 0 && device < visible, "cuda_allocated_bytes: device ", device,
+                " is not a visible CUDA device (", visible, " visible)");
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    // Index 0 of each stat array is the aggregate over both pools, the "all" of
+    // torch.cuda.memory_stats().
+    const auto& allocated = stats.allocated_bytes[0];
+    return AllocatedBytes{allocated.current, allocated.peak};
+}
+
 }  // namespace dsz

@@ -19,6 +19,8 @@
 * ``deepcompile_persistent``: DeepCompile's re-plan chooses the params it keeps gathered first and
   reaches them with one op call per graph.
 * ``cpu_accelerator``: DeepCompile on DeepSpeed's CPU accelerator gets a device it can parse.
+* ``cuda_memory_counters``: DeepSpeed's CUDA accelerator reads the allocator's counters in one
+  call (DeepCompile's profilers read them several times per graph node).
 * ``gloo_collectives``: DeepSpeed's collectives on CPU tensors under torch.compile's Python
   dispatcher run without it (a gloo deadlock otherwise).
 * ``hf_trainer_loop``: HF Trainer's per-step walks of the module tree (``model.train()``,
@@ -57,6 +59,7 @@ PATCH_MODULES = (
     "ds_z3native.compat.deepcompile_persistent",
     "ds_z3native.compat.deepcompile_aot",
     "ds_z3native.compat.cpu_accelerator",
+    "ds_z3native.compat.cuda_memory_counters",
     "ds_z3native.compat.gloo_collectives",
     "ds_z3native.compat.hf_trainer_loop",
 )

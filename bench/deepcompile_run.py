@@ -262,17 +262,17 @@ def cpu_deepspeed() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def _evaluate(engine: Any, args: Any, llama: bool, dtype: Any, device: Any, step: int) -> float:
-    """The mean loss of two evaluation forwards (eval mode, no_grad), then back to training."""
+def _evaluate(engine: Any, args: Any, size: Any, dtype: Any, device: Any, step: int) -> float:
+    """The mean loss of two evaluation forwards (eval mode, no_grad), then back to training;
+    ``size`` is the llama's ``ModelSize``, None for the other models."""
     import torch
 
     engine.eval()
     losses = []
     with torch.no_grad():
         for i in range(2):
-            if llama:
-                (ids,) = _llama_batch(model_size(args.size, args.layers), 10**6 + 2 * step + i,
-                                      args.seed, device)
+            if size is not None:
+                (ids,) = _llama_batch(size, 10**6 + 2 * step + i, args.seed, device)
                 losses.append(float(engine(input_ids=ids, labels=ids).loss.float()))
             else:
                 losses.append(float(engine(*_batch(10**6 + 2 * step + i, args.seed, dtype, device))))
@@ -400,7 +400,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
             profiler.__exit__(None, None, None)
             result["op_calls_last_step"] = _op_calls(profiler)
         if args.eval_every and (step + 1) % args.eval_every == 0:
-            result["eval_losses"].append(_evaluate(engine, args, llama, dtype, device, step))
+            result["eval_losses"].append(_evaluate(engine, args, size, dtype, device, step))
         if not cpu:
             torch.cuda.synchronize()
         now = time.perf_counter()

@@ -26,13 +26,15 @@ import torch
 from packaging.version import Version
 
 from . import Patch, Undo
-from ._rebind import wrap_method
+from ._rebind import undo_all, wrap_method
 
 __all__ = ["CUDA_MEMORY_COUNTERS", "PATCHES", "allocated_bytes", "patch_cuda_memory_counters"]
 
 log = logging.getLogger(__name__)
 
 AllocatedBytes = Tuple[int, int]
+# The accelerator's methods, in the order of allocated_bytes()'s answer.
+_METHODS = ("memory_allocated", "max_memory_allocated")
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,18 +91,11 @@ def patch_cuda_memory_counters() -> Undo:
     if accelerator.device_name() != "cuda":
         return lambda: None
     cls = type(accelerator)
-    undos: List[Undo] = []
-    for which, name in enumerate(("memory_allocated", "max_memory_allocated")):
-        owner = next(c for c in cls.__mro__ if name in c.__dict__)
-        undos.append(wrap_method(owner, name, _reading(which)))
+    owners = [next(c for c in cls.__mro__ if name in c.__dict__) for name in _METHODS]
     log.debug("DeepSpeed's CUDA accelerator: memory counters read in one call (native: %s)",
               _native_reader() is not None)
-
-    def undo() -> None:
-        while undos:
-            undos.pop()()
-
-    return undo
+    return undo_all([wrap_method(owner, name, _reading(which))
+                     for which, (owner, name) in enumerate(zip(owners, _METHODS))])
 
 
 CUDA_MEMORY_COUNTERS = Patch(

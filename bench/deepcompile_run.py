@@ -65,6 +65,36 @@ def deepcompile_pass_seconds() -> Optional[List[Dict[str, Any]]]:
             for kind, index, _graph_id, seconds in times]
 
 
+class GcClock:
+    """Counts the process's garbage collections and the seconds they take (``gc.callbacks``),
+    per generation, from :meth:`start` on."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.count = [0, 0, 0]
+        self._began: Optional[float] = None
+
+    def _callback(self, phase: str, info: Dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            generation = int(info.get("generation", 2))
+            self.seconds[generation] += time.perf_counter() - self._began
+            self.count[generation] += 1
+            self._began = None
+
+    def start(self) -> "GcClock":
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def record(self) -> Dict[str, Any]:
+        """Collections and seconds per generation, and the seconds of all."""
+        return {"count": list(self.count), "s": [round(x, 3) for x in self.seconds],
+                "total_s": round(sum(self.seconds), 3)}
+
+
 def arm_watchdog(seconds: float) -> None:
     """Past ``seconds``, print every thread's stack to stderr and exit with 1 (a hang becomes a
     diagnosable failure). The dump goes to a copy of the stderr descriptor taken now: libraries
@@ -364,6 +394,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     device = engine.device
+    gc_clock = GcClock().start()
     t_compile = time.perf_counter()
     if deepcompile:
         engine.compile()
@@ -412,6 +443,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         log.info("step %d/%d: loss %.5f, %.3f s", step + 1, args.steps, result["losses"][-1],
                  step_times[-1])
     result["deepcompile_pass_seconds"] = deepcompile_pass_seconds()
+    result["gc_collections"] = gc_clock.record()
     result["step_ms_after_warmup"] = (1000 * sum(step_times[6:]) / max(1, len(step_times[6:])))
     result["graph_breaks"] = int(sum(counters["graph_break"].values()))
     result["graph_break_reasons"] = sorted({k.splitlines()[0] for k in counters["graph_break"]})
@@ -427,6 +459,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         from ds_z3native.compat.deepcompile_profile_store import store_stats
 
         result["profile_store"] = store_stats()
+        from ds_z3native.compat.deepcompile_profiling import pass_gc_stats
+
+        result["pass_gc"] = pass_gc_stats()
         from ds_z3native.compat.deepcompile_persistent import group_stats
 
         result["persistent_group"] = group_stats()

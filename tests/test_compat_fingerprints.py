@@ -126,6 +126,7 @@ def toy_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     (root / "__init__.py").write_text("")
     (root / "mod.py").write_text(textwrap.dedent('''
         import functools
+        import os.path as paths
 
         LIMIT = 4e9
 
@@ -155,6 +156,10 @@ def test_fingerprints_read_signature_and_source(toy_package: Path) -> None:
     assert source_fingerprint("dszfp_toy.mod:LIMIT").signature == "attribute"
     assert source_fingerprint("dszfp_toy.mod:Engine.__table").signature == "attribute"
     assert source_fingerprint("dszfp_toy.mod:Engine.absent") is MISSING
+    # A module's import binds a name like an assignment does: its statement is the source.
+    for bound in ("paths", "functools"):
+        assert source_fingerprint(f"dszfp_toy.mod:{bound}").signature == "attribute"
+    assert source_fingerprint("dszfp_toy.mod:os") is MISSING  # `import os.path as paths`
     assert "dszfp_toy.mod" not in sys.modules  # read from the file, nothing imported
     text = (toy_package / "mod.py").read_text()
     (toy_package / "mod.py").write_text(text.replace("return loss", "return loss * 2"))

@@ -128,6 +128,19 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
          ("self", "device_index")),
         ("deepspeed.accelerator.cuda_accelerator", "CUDA_Accelerator.max_memory_allocated",
          ("self", "device_index"))],
+    "deepcompile-pass-gc": [
+        ("deepspeed.compile.backend", "run_opt_passes",
+         ("opt_passes", "gm", "graph_id", "graph_order", "profiling_results", "create_inputs_fn",
+          "mem_budget", "param_manager", "bwd"))],
+    "deepcompile-one-rank-profile": [
+        ("deepspeed.compile.profilers.graph_profile", "ProfilingInterpreter.run_node",
+         ("self", "n")),
+        ("deepspeed.compile.profilers.graph_profile", "MemoryProfilingInterpreter.run_node",
+         ("self", "n")),
+        # OneRankComm reads the group and async_op of these by position or name.
+        ("deepspeed.comm.comm", "all_reduce", ("tensor", "op", "group", "async_op")),
+        ("deepspeed.comm.comm", "barrier", ("group", "async_op")),
+        ("deepspeed.comm.comm", "get_world_size", ("group",))],
     "hf-trainer-zero3-flos": [],  # transformers' Trainer only: see tests/test_hf_trainer_loop.py
     "engine-train-unchanged-mode": [
         (_ENGINE, "DeepSpeedEngine.train", ("self", "mode"))],

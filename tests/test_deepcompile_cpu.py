@@ -82,6 +82,13 @@ def test_frozen_layer_run_eagerly_is_gathered_and_trains_like_eager() -> None:
     assert gather["params"] == ["frozen.weight", "frozen.bias"]
     assert gather["gathered_total"] == 2 * STEPS  # gathered every step: released after backward
     assert gather["held_after_training"] == []
+    # The run's record of its garbage collections: DeepCompile's passes collected fully (in
+    # generation 2) at least once per compiled graph.
+    collections = ours["gc_collections"]
+    assert collections["count"][2] >= 2 and collections["total_s"] > 0
+    # deepcompile-pass-gc: every run of the passes (each graph's, first compile and re-plan) ran
+    # with the heap frozen.
+    assert ours["pass_gc"]["frozen"] >= 2, ours["pass_gc"]
 
 
 @pytest.mark.deepspeed

@@ -261,7 +261,8 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
          "deepcompile-generator-cache-key", "deepcompile-sourceless-symbols", "deepcompile-profile-store", "deepcompile-warm-start",
          "deepcompile-kwargs-dependencies", "deepcompile-resume-schedule",
          "deepcompile-persistent-group", "deepcompile-aot-partial-constructions",
-         "deepcompile-cpu-device", "cuda-memory-counters",
+         "deepcompile-cpu-device", "cuda-memory-counters", "deepcompile-pass-gc",
+         "deepcompile-one-rank-profile",
          "gloo-collectives-outside-python-dispatch",
          "zero3-coalesced-gather-waits-on-every-handle", "hf-trainer-zero3-flos",
          "engine-train-unchanged-mode", "engine-zero-grad-param-list"]

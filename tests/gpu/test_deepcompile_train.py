@@ -125,6 +125,15 @@ def test_frozen_layer_used_three_times_matches_eager(runs: Dict[str, Any]) -> No
     _assert_matches(compiled, eager, FP32_RTOL, FP32_ATOL)
 
 
+def test_deepcompiles_passes_run_with_the_heap_frozen(runs: Dict[str, Any]) -> None:
+    """The deepcompile-pass-gc patch took effect on the GPU: every run of DeepCompile's passes
+    (a forward and a backward graph at the first compile, again at the re-plan) ran frozen,
+    whatever the process had frozen before (``thawed`` counts those runs)."""
+    stats = _trained(runs["frozen-linear-fp32-dc"])["pass_gc"]
+    assert stats["frozen"] >= 2, stats
+    print(f"\n[pass-gc] {stats}")
+
+
 @pytest.mark.parametrize("key", ["frozen-linear-fp32", "reuse3-fp32"])
 def test_two_gpus_train_under_deepcompile_like_zero0_eager(runs: Dict[str, Any], key: str) -> None:
     if _gpus() < 2:

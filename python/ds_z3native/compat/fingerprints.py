@@ -273,6 +273,10 @@ def _statements(body: Sequence[ast.stmt]) -> Iterator[ast.stmt]:
 
 
 def _assigns_name(node: ast.stmt, name: str) -> bool:
+    """Whether ``node`` binds ``name`` in its scope: an assignment, or an import
+    (``import a.b as name``, ``from a import b as name``, ``import name.sub``)."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any((alias.asname or alias.name.split(".")[0]) == name for alias in node.names)
     targets: List[ast.expr] = []
     if isinstance(node, ast.Assign):
         targets = list(node.targets)

@@ -21,6 +21,8 @@
 * ``cpu_accelerator``: DeepCompile on DeepSpeed's CPU accelerator gets a device it can parse.
 * ``cuda_memory_counters``: DeepSpeed's CUDA accelerator reads the allocator's counters in one
   call (DeepCompile's profilers read them several times per graph node).
+* ``deepcompile_profiling``: DeepCompile's passes collect garbage among what they made only, and
+  its profilers skip their per-node reductions over a group of one rank.
 * ``gloo_collectives``: DeepSpeed's collectives on CPU tensors under torch.compile's Python
   dispatcher run without it (a gloo deadlock otherwise).
 * ``hf_trainer_loop``: HF Trainer's per-step walks of the module tree (``model.train()``,
@@ -60,6 +62,7 @@ PATCH_MODULES = (
     "ds_z3native.compat.deepcompile_aot",
     "ds_z3native.compat.cpu_accelerator",
     "ds_z3native.compat.cuda_memory_counters",
+    "ds_z3native.compat.deepcompile_profiling",
     "ds_z3native.compat.gloo_collectives",
     "ds_z3native.compat.hf_trainer_loop",
 )

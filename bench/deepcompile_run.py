@@ -42,7 +42,7 @@ import threading
 import time
 import traceback
 import logging
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 log = logging.getLogger("bench.deepcompile_run")
 
@@ -67,11 +67,13 @@ def deepcompile_pass_seconds() -> Optional[List[Dict[str, Any]]]:
 
 class GcClock:
     """Counts the process's garbage collections and the seconds they take (``gc.callbacks``),
-    per generation, from :meth:`start` on."""
+    per generation, from :meth:`start` to :meth:`stop`; ``on_collection(generation, seconds)``,
+    if given, hears of each one as it ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_collection: Optional[Callable[[int, float], None]] = None) -> None:
         self.seconds = [0.0, 0.0, 0.0]
         self.count = [0, 0, 0]
+        self._on_collection = on_collection
         self._began: Optional[float] = None
 
     def _callback(self, phase: str, info: Dict[str, Any]) -> None:
@@ -79,15 +81,24 @@ class GcClock:
             self._began = time.perf_counter()
         elif self._began is not None:
             generation = int(info.get("generation", 2))
-            self.seconds[generation] += time.perf_counter() - self._began
+            seconds = time.perf_counter() - self._began
+            self.seconds[generation] += seconds
             self.count[generation] += 1
             self._began = None
+            if self._on_collection is not None:
+                self._on_collection(generation, seconds)
 
     def start(self) -> "GcClock":
         import gc
 
         gc.callbacks.append(self._callback)
         return self
+
+    def stop(self) -> None:
+        import gc
+
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
 
     def record(self) -> Dict[str, Any]:
         """Collections and seconds per generation, and the seconds of all."""
@@ -443,6 +454,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         log.info("step %d/%d: loss %.5f, %.3f s", step + 1, args.steps, result["losses"][-1],
                  step_times[-1])
     result["deepcompile_pass_seconds"] = deepcompile_pass_seconds()
+    gc_clock.stop()
     result["gc_collections"] = gc_clock.record()
     result["step_ms_after_warmup"] = (1000 * sum(step_times[6:]) / max(1, len(step_times[6:])))
     result["graph_breaks"] = int(sum(counters["graph_break"].values()))

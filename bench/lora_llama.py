@@ -105,11 +105,11 @@ from packaging.version import Version
 
 try:  # run as bench/lora_llama.py, its folder is on the path; imported as bench.lora_llama
     from bench.conditions import GpuConditions
-    from bench.deepcompile_run import deepcompile_pass_seconds
+    from bench.deepcompile_run import GcClock, deepcompile_pass_seconds
     from bench.trace_breakdown import breakdown_file
 except ImportError:
     from conditions import GpuConditions
-    from deepcompile_run import deepcompile_pass_seconds
+    from deepcompile_run import GcClock, deepcompile_pass_seconds
     from trace_breakdown import breakdown_file
 
 log = logging.getLogger("bench.lora_llama")
@@ -509,15 +509,12 @@ class _StepClock:
         self._timed = False  # whether the step running now is a timed one
         self.host: Dict[str, List[float]] = {}
         self.gc_collections = [0, 0, 0]
-        self._gc_start = 0.0
         self._unwatch: List[Callable[[], None]] = []
 
     def watch(self, engine: Any) -> None:
         """Adds up, per step, the host time spent in ``engine``'s forward, backward and step
         calls (the engine instance's own attributes: whoever calls them, our loop or a
         trainer's) and in garbage collection; the rest of a step is the loop's own."""
-        import gc
-
         for name in ("forward", "backward", "step"):
             inner = getattr(engine, name)
 
@@ -531,16 +528,12 @@ class _StepClock:
             setattr(engine, name, timed)
             self._unwatch.append(lambda name=name: engine.__dict__.pop(name, None))
 
-        def collected(phase: str, info: Dict[str, int]) -> None:
-            if phase == "start":
-                self._gc_start = time.perf_counter()
-                return
-            self._add("gc", time.perf_counter() - self._gc_start)
+        def collected(generation: int, seconds: float) -> None:
+            self._add("gc", seconds)
             if self._timed:
-                self.gc_collections[info.get("generation", 0)] += 1
+                self.gc_collections[generation] += 1
 
-        gc.callbacks.append(collected)
-        self._unwatch.append(lambda: gc.callbacks.remove(collected))
+        self._unwatch.append(GcClock(collected).start().stop)
 
     def unwatch(self) -> None:
         while self._unwatch:

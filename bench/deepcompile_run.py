@@ -17,8 +17,9 @@ reproduction); ``reuse3``, one frozen Linear applied three times between trainab
 ``LlamaForCausalLM`` from a config (``--size``, see ``ds_z3native.models``) with PEFT LoRA on
 every linear layer, optionally with gradient checkpointing (``--checkpointing``), with
 ``--layers N`` decoder layers instead of the size's. ``--time-scheduler`` times DeepCompile's
-ZeRO-3 scheduler on each graph with ds_z3native's requirement walk and with DeepSpeed's own, and
-checks the two orders are the same (the result's ``scheduler``).
+ZeRO-3 scheduler on each graph with ds_z3native's requirement walk and with DeepSpeed's own
+(made to follow keyword inputs too), and checks the two orders are the same (the result's
+``scheduler``).
 ``--mode eager`` trains the same model without compile, with ZeRO stage ``--eager-stage``
 (default 0: the reference). One process, one device; sets the launcher environment (RANK=0,
 WORLD_SIZE=1, MASTER_ADDR, a free MASTER_PORT) unless already set. Without CUDA (or with
@@ -495,12 +496,57 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     result["requires_grad"] = {n: p.requires_grad for n, p in engine.module.named_parameters()}
 
 
+@contextlib.contextmanager
+def _deepspeed_walk_reading_kwargs(graph: Any) -> Iterator[None]:
+    """DeepSpeed's own requirement walk, run as it is, also following keyword inputs: its walk
+    reads a node's inputs through ``list_schedule.map_arg(node.args, ...)`` (its one use of
+    ``map_arg``), which here also maps that node's ``kwargs``. Without it DeepSpeed's walk cannot
+    order a graph that passes a tensor by keyword (SDPA's ``attn_mask``: ``KeyError``), and the
+    order of ds_z3native's walk (which reads keyword inputs) would have nothing to compare with.
+    A node is found by its ``args`` tuple; an empty tuple is shared, so a node without positional
+    arguments that takes a node by keyword makes the comparison impossible (``ValueError``)."""
+    from deepspeed.compile import list_schedule
+    from torch.fx.node import map_arg
+
+    by_args: Dict[int, Any] = {}
+    for node in graph.nodes:
+        if node.args:
+            by_args[id(node.args)] = node
+        elif _kwarg_inputs(node):
+            raise ValueError(f"node {node.name} takes a node by keyword and has no positional "
+                             "argument: DeepSpeed's walk cannot be extended to it")
+
+    def map_arg_and_kwargs(args: Any, fn: Callable) -> Any:
+        mapped = map_arg(args, fn)
+        node = by_args.get(id(args))
+        if node is not None and node.args is args:
+            map_arg(node.kwargs, fn)
+        return mapped
+
+    original = list_schedule.map_arg
+    list_schedule.map_arg = map_arg_and_kwargs
+    try:
+        yield
+    finally:
+        list_schedule.map_arg = original
+
+
+def _kwarg_inputs(node: Any) -> List[Any]:
+    from torch.fx.node import map_arg
+
+    found: List[Any] = []
+    map_arg(node.kwargs, found.append)
+    return found
+
+
 def time_scheduler(records: List[Dict[str, Any]]) -> None:
     """Time DeepCompile's ZeRO-3 scheduler (``fast_free_schedule``) on each graph it orders in
     this run, twice: as installed (with ds_z3native, its requirement walk) and with DeepSpeed's
-    own ``get_node_requirements``. The run goes on with the first schedule. Appends per graph
-    ``nodes``, ``allgathers``, ``installed_s``, ``deepspeed_s`` and ``same_order`` (whether the
-    two schedules are the same node order) to ``records``."""
+    own ``get_node_requirements`` (extended to keyword inputs where the graph has some:
+    :func:`_deepspeed_walk_reading_kwargs`). The run goes on with the first schedule. Appends
+    per graph ``nodes``, ``allgathers``, ``kwarg_inputs`` (nodes taking a node by keyword),
+    ``installed_s``, ``deepspeed_s`` and ``same_order`` (whether the two schedules are the same
+    node order), or ``deepspeed_error``, to ``records``."""
     from deepspeed.compile import list_schedule
     from deepspeed.compile.passes import zero3_compile
 
@@ -512,17 +558,21 @@ def time_scheduler(records: List[Dict[str, Any]]) -> None:
         walk = list_schedule.get_node_requirements
         theirs_walk = getattr(walk, "__wrapped__", walk)
         gathers = sum(1 for n in graph.nodes if n.target == torch.ops.dc.allgather_param.default)
-        record: Dict[str, Any] = {"nodes": len(graph.nodes), "allgathers": gathers}
+        with_kwargs = sum(1 for n in graph.nodes if _kwarg_inputs(n))
+        record: Dict[str, Any] = {"nodes": len(graph.nodes), "allgathers": gathers,
+                                  "kwarg_inputs": with_kwargs}
         start = time.perf_counter()
         ours = schedule(graph, *args, **kwargs)
         record["installed_s"] = round(time.perf_counter() - start, 3)
         list_schedule.get_node_requirements = theirs_walk
         try:
-            start = time.perf_counter()
-            theirs = schedule(graph, *args, **kwargs)
+            with (_deepspeed_walk_reading_kwargs(graph) if with_kwargs
+                  else contextlib.nullcontext()):
+                start = time.perf_counter()
+                theirs = schedule(graph, *args, **kwargs)
             record["deepspeed_s"] = round(time.perf_counter() - start, 3)
             record["same_order"] = [n.name for n in ours.nodes] == [n.name for n in theirs.nodes]
-        except Exception as e:  # noqa: BLE001 - DeepSpeed's walk fails where ours is needed
+        except Exception as e:  # noqa: BLE001 - recorded: the test reading the record fails
             record["deepspeed_error"] = f"{type(e).__name__}: {e}"
         finally:
             list_schedule.get_node_requirements = walk

@@ -167,10 +167,11 @@ def test_hf_llama_lora_nonreentrant_checkpointing_trains_like_eager_zero3() -> N
     ref = _ok(run(*common, "--mode", "eager", "--eager-stage", "3", "--native", "deepspeed"))
     loss_diff, param_diff = _assert_same_training(ours, ref, rtol=1e-4, atol=1e-5)
     # DeepCompile's scheduler ordered each graph (forward and backward, at step 0 and at the
-    # re-plan) with ds_z3native's requirement walk as DeepSpeed's own walk orders it.
+    # re-plan) with ds_z3native's requirement walk as DeepSpeed's own walk orders it (DeepSpeed's
+    # made to follow keyword inputs too: without, it fails on graphs that have them).
     scheduled = ours["scheduler"]
     assert len(scheduled) == 4 and all(g["allgathers"] > 0 for g in scheduled), scheduled
-    assert all(g["same_order"] for g in scheduled), scheduled
+    assert all(g.get("same_order") is True for g in scheduled), scheduled
     fixes = ours["graph_break_fixes"]
     assert fixes["removed_hooks"] == ["base_model.model.model.embed_tokens"]
     assert fixes["use_cache_off"]

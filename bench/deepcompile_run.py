@@ -16,10 +16,11 @@ reproduction); ``reuse3``, one frozen Linear applied three times between trainab
 ``eager-frozen-flagged``, that eager layer run with torch's compile-session flag up; ``llama``, an HF
 ``LlamaForCausalLM`` from a config (``--size``, see ``ds_z3native.models``) with PEFT LoRA on
 every linear layer, optionally with gradient checkpointing (``--checkpointing``), with
-``--layers N`` decoder layers instead of the size's. ``--time-scheduler`` times DeepCompile's
-ZeRO-3 scheduler on each graph with ds_z3native's requirement walk and with DeepSpeed's own
-(made to follow keyword inputs too), and checks the two orders are the same (the result's
-``scheduler``).
+``--layers N`` decoder layers instead of the size's; ``--family`` builds another transformers
+decoder family at that shape instead (``gpt2``, ``qwen3_moe``: ``ds_z3native.models.FAMILIES``).
+``--time-scheduler`` times DeepCompile's ZeRO-3 scheduler on each graph with ds_z3native's
+requirement walk and with DeepSpeed's own (made to follow keyword inputs too), and checks the two
+orders are the same (the result's ``scheduler``).
 ``--mode eager`` trains the same model without compile, with ZeRO stage ``--eager-stage``
 (default 0: the reference). One process, one device; sets the launcher environment (RANK=0,
 WORLD_SIZE=1, MASTER_ADDR, a free MASTER_PORT) unless already set. Without CUDA (or with
@@ -265,13 +266,13 @@ def model_size(name: str, layers: Optional[int] = None) -> Any:
     return dataclasses.replace(size, layers=layers)
 
 
-def build_llama(size: Any, checkpointing: str) -> Any:
-    """The LoRA Llama of ``ds_z3native.models`` at ``size`` (a ``ModelSize``), with gradient
-    checkpointing ``checkpointing`` (``none``, ``non-reentrant``, ``reentrant``) enabled the HF
-    way."""
-    from ds_z3native.models import build_lora_llama
+def build_llama(size: Any, checkpointing: str, family: str = "llama") -> Any:
+    """The LoRA model of ``ds_z3native.models`` at ``size`` (a ``ModelSize``): a Llama, or
+    another transformers decoder family (``build_lora_model``), with gradient checkpointing
+    ``checkpointing`` (``none``, ``non-reentrant``, ``reentrant``) enabled the HF way."""
+    from ds_z3native.models import build_lora_model
 
-    model, _ = build_lora_llama(size)
+    model, _ = build_lora_model(size, family)
     if checkpointing != "none":
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
@@ -402,7 +403,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         config["compile"] = {"deepcompile": True}
 
     torch.manual_seed(args.seed)
-    model = build_llama(size, args.checkpointing) if llama else build_model(args.model)
+    model = build_llama(size, args.checkpointing, args.family) if llama else build_model(args.model)
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     device = engine.device
@@ -475,6 +476,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         from ds_z3native.compat.deepcompile_profiling import pass_gc_stats
 
         result["pass_gc"] = pass_gc_stats()
+        from ds_z3native.compat.deepcompile_leaf_modules import leaf_module_hooks_removed
+
+        result["leaf_module_hooks"] = leaf_module_hooks_removed()
         from ds_z3native.compat.deepcompile_persistent import group_stats
 
         result["persistent_group"] = group_stats()
@@ -631,6 +635,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                             "eager-frozen-flagged", "llama"],
                         default="frozen-linear")
     parser.add_argument("--size", default="tiny", help="llama size (ds_z3native.models)")
+    parser.add_argument("--family", default="llama",
+                        help="--model llama: this transformers decoder family at the size's "
+                             "shape instead (ds_z3native.models.FAMILIES: llama, gpt2, qwen3_moe)")
     parser.add_argument("--layers", type=int, default=None,
                         help="the llama size's decoder layers, this many instead")
     parser.add_argument("--checkpointing", choices=["none", "non-reentrant", "reentrant"],

@@ -51,6 +51,10 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
     "deepcompile-z3-unfrozen-guard": [_INIT_Z3,
                                       ("deepspeed.compile.util", "add_pre_backward_hook", ("hook",)),
                                       ("deepspeed.compile.util", "pre_backward_hooks", None)],
+    "deepcompile-z3-leaf-module-hooks": [
+        _INIT_Z3,
+        ("deepspeed.runtime.zero.stage3",
+         "DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks", ("self",))],
     "deepcompile-hf-checkpoint-graph-breaks": [
         (_ENGINE, "DeepSpeedEngine.compile", ("self",)),
         (_ENGINE, "DeepSpeedEngine.is_deepcompile_enabled", ("self",))],

@@ -430,6 +430,67 @@ def test_attention_runs_without_the_kernels_routing_wrapper_when_nothing_was_ker
     assert remove_checkpoint_graph_breaks(model)["kernel_routing_off"] == []  # once
 
 
+def test_a_model_whose_class_names_no_loss_compiles_without_the_loss_warnings_graph_break() -> None:
+    # GPT2LMHeadModel: transformers resolves no loss type from the class name, and its
+    # loss_function property logs a warning_once on every forward, which Dynamo cannot trace
+    # (a graph break inside PEFT's forward-hook context: the frame ran eagerly).
+    import torch
+
+    from ds_z3native.compat.hf_graph_breaks import settle_default_loss
+    from ds_z3native.models import MODEL_SIZES, build_lora_model
+
+    model, _ = build_lora_model(MODEL_SIZES["tiny"], "gpt2")
+    head = model.get_base_model()
+    assert head.loss_type is None
+    ids = torch.randint(0, 64, (2, 8))
+    expected = model(input_ids=ids, labels=ids).loss
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(model)(input_ids=ids, labels=ids).graph_break_count >= 1
+    loss_function = head.loss_function
+    assert settle_default_loss(model) == ["base_model.model: ForCausalLM"]
+    assert head.loss_function is loss_function  # the same loss as before
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, expected)
+    assert settle_default_loss(model) == []  # once
+    # A Llama's class names its loss (LlamaForCausalLM): nothing to settle; its base model
+    # computes no loss.
+    llama, _ = build_lora_model(MODEL_SIZES["tiny"], "llama")
+    assert settle_default_loss(llama) == []
+
+
+@pytest.mark.deepspeed
+@needs_cpu_deepcompile
+@pytest.mark.release_matrix
+@pytest.mark.parametrize("family", ["gpt2", "qwen3_moe"])
+def test_other_decoder_families_train_like_eager_zero3(family: str) -> None:
+    # LoRA with non-reentrant checkpointing and evaluations between steps on two more decoder
+    # families: GPT-2 (Conv1D layers; GPT2LMHeadModel names no loss type, whose warning broke
+    # every compiled forward) and Qwen3-MoE (a mixture-of-experts block, a ZeRO-3 leaf module by
+    # DeepSpeed's default, with its router trained in full: ZeRO-3's backward hook on it broke
+    # the graph at every layer, and the trainable params then ran eagerly).
+    common = ("--model", "llama", "--family", family, "--size", "tiny",
+              "--checkpointing", "non-reentrant", "--eval-every", "3")
+    ours = _ok(run(*common))
+    ref = _ok(run(*common, "--mode", "eager", "--eager-stage", "3", "--native", "deepspeed"))
+    _assert_same_training(ours, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(ours["eval_losses"]), torch.tensor(ref["eval_losses"]),
+                               rtol=1e-4, atol=1e-5)
+    assert ours["graph_breaks"] == 0, ours["graph_break_reasons"]
+    trained_in_full = [n for n, rg in ours["requires_grad"].items() if rg and "lora_" not in n]
+    if family == "gpt2":
+        assert ours["graph_break_fixes"]["default_loss"] == ["base_model.model: ForCausalLM"]
+        assert trained_in_full == []
+    else:
+        assert trained_in_full == [f"base_model.model.model.layers.{i}.mlp.gate.weight"
+                                   for i in range(2)]
+        assert ours["leaf_module_hooks"] == {"engines": 1, "hooks": 2}
+        # Without the patch the leaf modules keep ZeRO-3's backward hooks.
+        weak = run(*common, "--skip-patch", "deepcompile-z3-leaf-module-hooks", steps=1)
+        assert weak.get("error_type") == "EagerTrainableParam", weak.get("error", weak.keys())
+
+
 @pytest.mark.deepspeed
 def test_use_cache_turned_off_for_training_is_not_saved(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json

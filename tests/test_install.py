@@ -78,7 +78,7 @@ def test_install_hands_our_module_to_every_loader_site(before: Dict[str, Any]) -
     assert report.deepspeed_version == str(DS_VERSION) and report.verdict == "supported"
     expected = (["deepcompile-z3-frozen-grad-buffer"] if OLD else []) + \
         ["deepcompile-z3-declare-frozen", "deepcompile-z3-unfrozen-guard",
-         "deepcompile-z3-eager-gather"]
+         "deepcompile-z3-leaf-module-hooks", "deepcompile-z3-eager-gather"]
     assert [p for p in report.patches if p.startswith("deepcompile-z3")] == expected
     assert "deepcompile-hf-checkpoint-graph-breaks" in report.patches
     assert "gloo-collectives-outside-python-dispatch" in report.patches
@@ -89,7 +89,7 @@ def test_init_z3_is_patched_where_deepspeed_holds_it_and_restored(before: Dict[s
     import deepspeed.compile.init_z3 as init_z3_module  # 0.19.8 imports it only at compile()
 
     wrapped = init_z3_module.init_z3
-    assert _wrapper_depth(wrapped) == (3 if OLD else 2)
+    assert _wrapper_depth(wrapped) == (4 if OLD else 3)
     engine_module = sys.modules["deepspeed.runtime.engine"]
     if hasattr(engine_module, "init_z3"):  # 0.19.2 binds it at import
         assert engine_module.init_z3 is wrapped
@@ -255,8 +255,8 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
     monkeypatch.setattr(registry, "OPTIONAL_MODULES", ("dsz_no_such_patch_module",))
     assert [p.name for p in registry.all_patches()] == \
         ["deepcompile-z3-frozen-grad-buffer", "deepcompile-z3-declare-frozen",
-         "deepcompile-z3-unfrozen-guard", "deepcompile-hf-checkpoint-graph-breaks",
-         "deepcompile-z3-eager-gather", "deepcompile-prefetch-budget",
+         "deepcompile-z3-unfrozen-guard", "deepcompile-z3-leaf-module-hooks",
+         "deepcompile-hf-checkpoint-graph-breaks", "deepcompile-z3-eager-gather", "deepcompile-prefetch-budget",
          "deepcompile-canonical-graph-ids", "deepcompile-cache-checkpoint-rng",
          "deepcompile-generator-cache-key", "deepcompile-sourceless-symbols", "deepcompile-profile-store", "deepcompile-warm-start",
          "deepcompile-kwargs-dependencies", "deepcompile-resume-schedule",

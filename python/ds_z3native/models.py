@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Tuple
 
-__all__ = ["ModelSize", "MODEL_SIZES", "DEFAULT_SIZE", "LORA_TARGETS", "build_lora_llama",
-           "synthetic_batch", "zero3_auto_values"]
+__all__ = ["ModelSize", "MODEL_SIZES", "DEFAULT_SIZE", "LORA_TARGETS", "FAMILIES",
+           "build_lora_llama", "build_lora_model", "synthetic_batch", "zero3_auto_values"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,68 @@ def build_lora_llama(size: ModelSize, seed: int = 0) -> Tuple[Any, Dict[str, int
     lora = LoraConfig(r=size.lora_rank, lora_alpha=2 * size.lora_rank, lora_dropout=0.0,
                       target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)
+    counts = {"params": sum(p.numel() for p in model.parameters()),
+              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    return model, counts
+
+
+# Decoder families other than Llama that build_lora_model makes at a ModelSize's shape: per
+# transformers model_type, the config keywords beyond Llama's shape and the LoRA targets a user
+# picks for it. gpt2: its own config names, Conv1D layers, a class name that names no loss
+# (GPT2LMHeadModel); qwen3_moe: a mixture-of-experts block (a ZeRO-3 leaf module by DeepSpeed's
+# default) with LoRA on attention and its router trained in full (``trained``: params that train
+# beside the adapters), the experts frozen.
+FAMILIES: Dict[str, Dict[str, Any]] = {
+    "llama": {"targets": LORA_TARGETS},
+    "gpt2": {"targets": ("c_attn", "c_proj", "c_fc")},
+    "qwen3_moe": {"targets": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                  "trained": ("mlp.gate.weight",),
+                  "config": {"num_experts": 4, "num_experts_per_tok": 2}},
+}
+
+
+def _family_config(size: ModelSize, family: str) -> Any:
+    from transformers import AutoConfig
+
+    spec = FAMILIES[family]
+    if family == "gpt2":
+        # GPT-2's own names; dropout off (the Llama-shaped families have none by default), so
+        # that compiled and eager runs draw no random masks.
+        kwargs: Dict[str, Any] = dict(
+            n_embd=size.hidden, n_inner=size.intermediate, n_layer=size.layers, n_head=size.heads,
+            vocab_size=size.vocab, n_positions=max(size.seq_len, 128), tie_word_embeddings=False,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    else:
+        kwargs = dict(size.llama_kwargs(), head_dim=size.hidden // size.heads)
+        if family == "qwen3_moe":
+            kwargs["moe_intermediate_size"] = size.intermediate // 2
+    kwargs.update(spec.get("config", {}))
+    return AutoConfig.for_model(family, **kwargs)
+
+
+def build_lora_model(size: ModelSize, family: str = "llama", seed: int = 0
+                     ) -> Tuple[Any, Dict[str, int]]:
+    """A randomly initialised causal LM of transformers model type ``family`` (one of
+    :data:`FAMILIES`) at ``size``'s shape, wrapped by PEFT LoRA on that family's targets; the
+    adapters train, and the family's ``trained`` params (the MoE router) in full. ``family="llama"`` is :func:`build_lora_llama`. Returns (model, counts)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
+    if family == "llama":
+        return build_lora_llama(size, seed)
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_config(_family_config(size, family))
+    lora = LoraConfig(r=size.lora_rank, lora_alpha=2 * size.lora_rank, lora_dropout=0.0,
+                      target_modules=list(FAMILIES[family]["targets"]), task_type="CAUSAL_LM",
+                      fan_in_fan_out=family == "gpt2")
+    model = get_peft_model(base, lora)
+    trained = FAMILIES[family].get("trained", ())
+    for name, param in model.named_parameters():
+        if name.endswith(trained):
+            param.requires_grad_(True)
     counts = {"params": sum(p.numel() for p in model.parameters()),
               "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     return model, counts

@@ -41,6 +41,7 @@ from . import Patch, Undo
 from ._rebind import when_module_imported, wrap_function
 
 __all__ = ["FROZEN_GRAD_BUFFER", "DECLARE_FROZEN", "UNFROZEN_GUARD", "PATCHES", "init_z3_owners",
+           "wrap_init_z3",
            "patch_frozen_grad_buffer", "patch_declare_frozen", "patch_unfrozen_guard",
            "UnfrozenAfterCompile"]
 
@@ -63,7 +64,9 @@ def init_z3_owners() -> List[ModuleType]:
             importlib.import_module("deepspeed.runtime.engine")]
 
 
-def _wrap_init_z3(make_wrapper: Callable[[Callable], Callable]) -> Undo:
+def wrap_init_z3(make_wrapper: Callable[[Callable], Callable]) -> Undo:
+    """Wraps ``init_z3`` in every module holding it (:func:`init_z3_owners`) with
+    ``make_wrapper(init_z3)`` once its module is imported; the undo unwraps it."""
     # init_z3's module is heavy (it imports the compile passes and inductor) and 0.19.8 imports it
     # only at engine.compile(): patch it when it is imported, never import it early.
     return when_module_imported(_INIT_Z3_MODULE,
@@ -109,7 +112,7 @@ def _with_frozen_grad_buffers(init_z3: Callable) -> Callable:
 
 def patch_frozen_grad_buffer() -> Undo:
     """init_z3 registers frozen params with an empty grad buffer instead of raising KeyError."""
-    return _wrap_init_z3(_with_frozen_grad_buffers)
+    return wrap_init_z3(_with_frozen_grad_buffers)
 
 
 def _declaring_frozen(init_z3: Callable) -> Callable:
@@ -135,7 +138,7 @@ def _declaring_frozen(init_z3: Callable) -> Callable:
 
 def patch_declare_frozen() -> Undo:
     """After init_z3, each requires_grad=False param is declared frozen with set_param_frozen."""
-    return _wrap_init_z3(_declaring_frozen)
+    return wrap_init_z3(_declaring_frozen)
 
 
 class UnfrozenAfterCompile(RuntimeError):
@@ -180,7 +183,7 @@ def patch_unfrozen_guard() -> Undo:
 
         return init_z3_guarding_unfrozen
 
-    unwrap = _wrap_init_z3(guarding_unfrozen)
+    unwrap = wrap_init_z3(guarding_unfrozen)
 
     def undo() -> None:
         unwrap()

@@ -22,7 +22,11 @@ forward logs ``use_cache=True is incompatible with gradient checkpointing`` thro
   effect"), so every checkpointed layer ran eagerly. Each change is logged; reentrant
   checkpointing is left as it is. The
   user's ``use_cache`` is what the config saves (``save_pretrained``, ``to_dict``): a model
-  trained here and saved generates with its cache when loaded.
+  trained here and saved generates with its cache when loaded. On every model, checkpointed or
+  not, a transformers model whose class name names no loss type (``GPT2LMHeadModel``) gets the
+  loss type transformers falls back to (:func:`settle_default_loss`): its ``loss_function``
+  property warned on every forward, a graph break that made Dynamo run PEFT's whole forward
+  frame eagerly.
 
   Targets: ``DeepSpeedEngine.compile`` (verified: ``install()`` refuses the patch where its
   fingerprint is not the one recorded for the running DeepSpeed) and transformers'
@@ -34,6 +38,7 @@ forward logs ``use_cache=True is incompatible with gradient checkpointing`` thro
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import types
 import weakref
@@ -45,7 +50,8 @@ from . import Patch, Undo
 from ._rebind import undo_all, when_module_imported, wrap_method
 
 __all__ = ["HF_CHECKPOINT_GRAPH_BREAKS", "PATCHES", "checkpoint_modes",
-           "remove_checkpoint_graph_breaks", "patch_checkpoint_graph_breaks", "is_kernels_routing"]
+           "remove_checkpoint_graph_breaks", "settle_default_loss", "patch_checkpoint_graph_breaks",
+           "is_kernels_routing"]
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +155,51 @@ def remove_checkpoint_graph_breaks(model: Any) -> Dict[str, Any]:
     return done
 
 
+def settle_default_loss(model: Any) -> List[str]:
+    """Gives each transformers model in ``model`` whose forward computes its loss through
+    ``self.loss_function`` and whose class name names no loss transformers knows
+    (``GPT2LMHeadModel``, ``CTRLLMHeadModel``, ...: ``loss_type`` None) the loss type transformers
+    falls back to for it. The ``loss_function`` property logs a ``warning_once`` on every such
+    forward, which Dynamo cannot trace: a graph break in each compiled forward, inside PEFT's
+    forward-hook context, where Dynamo then gives up on the whole frame. The property is read
+    here once, outside compiled code (its warning is logged then, as on a first forward), and
+    ``loss_type`` is set to the entry of transformers' loss table it returned: the same loss
+    function, no warning. A ``loss_type`` set to a name transformers does not know falls back
+    the same way and is settled the same way. Returns ``"<module name>: <loss type>"`` for each
+    module changed."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # a transformers without a loss table has no such property
+        return []
+    changed: List[str] = []
+    for name, module in model.named_modules():
+        if getattr(module, "loss_type", None) in LOSS_MAPPING or hasattr(module, "_loss_function"):
+            continue
+        if not isinstance(getattr(type(module), "loss_function", None), property):
+            continue
+        forward = getattr(type(module), "forward", None)
+        code = getattr(inspect.unwrap(forward), "__code__", None) if forward else None
+        if code is None or "loss_function" not in code.co_names:
+            continue  # a base model (GPT2Model, LlamaModel): its forward computes no loss
+        fallback = module.loss_function
+        # Several names may share the function (ForCausalLM, ForConditionalGeneration): the first.
+        known = [key for key, fn in LOSS_MAPPING.items() if fn is fallback]
+        if not known:
+            continue
+        module.loss_type = known[0]
+        changed.append(f"{name or '<root>'}: {known[0]}")
+    if changed:
+        log.info("transformers' default loss: loss_type set on %s (the loss transformers falls "
+                 "back to for that class, without its per-forward warning)", ", ".join(changed))
+    return changed
+
+
 def _compiling_without_breaks(compile_fn: Callable) -> Callable:
     def compile_without_checkpoint_breaks(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self.is_deepcompile_enabled():
-            self._ds_z3native_graph_break_fixes = remove_checkpoint_graph_breaks(self.module)
+            fixes = remove_checkpoint_graph_breaks(self.module)
+            fixes["default_loss"] = settle_default_loss(self.module)
+            self._ds_z3native_graph_break_fixes = fixes
         return compile_fn(self, *args, **kwargs)
 
     return compile_without_checkpoint_breaks
@@ -189,13 +236,17 @@ def patch_checkpoint_graph_breaks() -> Undo:
 HF_CHECKPOINT_GRAPH_BREAKS = Patch(
     name="deepcompile-hf-checkpoint-graph-breaks",
     summary="engine.compile() with DeepCompile removes transformers' input-require-grads hook "
-            "under non-reentrant checkpointing and turns use_cache off (two graph breaks)",
+            "under non-reentrant checkpointing and turns use_cache off (two graph breaks), and "
+            "settles the default loss of a model whose class names none (GPT2LMHeadModel: a "
+            "warning and a graph break in every forward)",
     apply=patch_checkpoint_graph_breaks,
     first=Version("0.19.0"),
     last=None,
     wraps=(
         "deepspeed.runtime.engine:DeepSpeedEngine.compile",
         "transformers.configuration_utils:PreTrainedConfig.to_dict",
+        # Read once per model (settle_default_loss); the loss_type it then finds is ours.
+        "transformers.modeling_utils:PreTrainedModel.loss_function",
     ),
 )
 

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 # module is one more name here (the test suite fails on a module with PATCHES not listed).
 PATCH_MODULES = (
     "ds_z3native.compat.deepcompile_frozen",
+    "ds_z3native.compat.deepcompile_leaf_modules",
     "ds_z3native.compat.hf_graph_breaks",
     "ds_z3native.compat.deepcompile_eager",
     "ds_z3native.compat.deepcompile_prefetch",

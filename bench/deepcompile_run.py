@@ -17,7 +17,7 @@ reproduction); ``reuse3``, one frozen Linear applied three times between trainab
 ``LlamaForCausalLM`` from a config (``--size``, see ``ds_z3native.models``) with PEFT LoRA on
 every linear layer, optionally with gradient checkpointing (``--checkpointing``), with
 ``--layers N`` decoder layers instead of the size's; ``--family`` builds another transformers
-decoder family at that shape instead (``gpt2``, ``qwen3_moe``: ``ds_z3native.models.FAMILIES``).
+model type at that shape instead (``ds_z3native.models.build_lora_model``).
 ``--time-scheduler`` times DeepCompile's ZeRO-3 scheduler on each graph with ds_z3native's
 requirement walk and with DeepSpeed's own (made to follow keyword inputs too), and checks the two
 orders are the same (the result's ``scheduler``).
@@ -636,8 +636,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         default="frozen-linear")
     parser.add_argument("--size", default="tiny", help="llama size (ds_z3native.models)")
     parser.add_argument("--family", default="llama",
-                        help="--model llama: this transformers decoder family at the size's "
-                             "shape instead (ds_z3native.models.FAMILIES: llama, gpt2, qwen3_moe)")
+                        help="--model llama: this transformers model type at the size's shape "
+                             "instead (ds_z3native.models.build_lora_model: gpt2, qwen3_moe, "
+                             "mixtral, or any type whose config takes Llama's names)")
     parser.add_argument("--layers", type=int, default=None,
                         help="the llama size's decoder layers, this many instead")
     parser.add_argument("--checkpointing", choices=["none", "non-reentrant", "reentrant"],

@@ -201,3 +201,64 @@ def test_init_z3_without_patches_shows_what_they_fix() -> None:
         assert plain["frozen"] is (not old), plain
         assert plain["grad_numel"] == (15 if old else 0), plain
         assert declared["frozen"] is True, declared
+
+
+def _leaf_module_scenario(rank: int, world_size: int, patched: bool) -> Dict[str, Any]:
+    """A ZeRO-3 leaf module (a block of two Linears, as DeepSpeed treats mixture-of-experts
+    blocks) with a trainable param: DeepCompile's registration with or without the patch that
+    removes ZeRO-3's backward hook on it."""
+    import torch
+    import deepspeed
+    import ds_z3native
+    from deepspeed.utils import set_z3_leaf_modules
+    from ds_z3native.compat import registry
+    from ds_z3native.compat.deepcompile_leaf_modules import leaf_module_hooks_removed
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(5, 7), torch.nn.Linear(7, 5)
+
+        def forward(self, x: Any) -> Any:
+            return self.down(torch.relu(self.up(x)))
+
+    if not patched:
+        every = registry.all_patches
+        registry.all_patches = lambda: [p for p in every()
+                                        if p.name != "deepcompile-z3-leaf-module-hooks"]
+    ds_z3native.install()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), Block(), torch.nn.Linear(5, 3))
+    model[0].requires_grad_(False)
+    model[1].up.requires_grad_(False)  # the block's down projection trains
+    set_z3_leaf_modules(model, [Block])
+    engine, *_ = deepspeed.initialize(model=model, config=_config(),
+                                      model_parameters=[p for p in model.parameters()
+                                                        if p.requires_grad])
+    before = len(engine.module[1]._backward_hooks)
+    _register(engine)
+    out = {"before": before, "after": len(engine.module[1]._backward_hooks),
+           "kept": len(engine.optimizer._leaf_module_hooks), "stats": leaf_module_hooks_removed(),
+           "states": _states(engine)}
+    ds_z3native.uninstall()
+    return out
+
+
+@pytest.mark.release_matrix
+@pytest.mark.parametrize("patched", [True, False], ids=["installed", "without-the-patch"])
+def test_init_z3_removes_zero3s_backward_hook_on_a_leaf_module(patched: bool) -> None:
+    # Dynamo cannot trace a module with a full backward hook: under DeepCompile the graph broke
+    # at every mixture-of-experts block, whose trainable params were then read eagerly.
+    for r in run_ranks(_leaf_module_scenario, WORLD, patched, timeout=600):
+        assert r["before"] == 1, r
+        if patched:
+            assert r["after"] == 0 and r["kept"] == 0, r
+            assert r["stats"] == {"engines": 1, "hooks": 1}, r
+        else:
+            assert r["after"] == 1 and r["kept"] == 1, r
+            assert r["stats"] == {"engines": 0, "hooks": 0}, r
+        # Registration itself is the same either way: the block's trainable param has its
+        # gradient buffer, the frozen ones none.
+        states = {s["name"]: s for s in r["states"]}
+        assert states["1.down.weight"]["frozen"] is False and states["1.down.weight"]["grad_numel"] > 0
+        assert states["1.up.weight"]["frozen"] is True

@@ -76,25 +76,35 @@ def build_lora_llama(size: ModelSize, seed: int = 0) -> Tuple[Any, Dict[str, int
     return model, counts
 
 
-# Decoder families other than Llama that build_lora_model makes at a ModelSize's shape: per
-# transformers model_type, the config keywords beyond Llama's shape and the LoRA targets a user
-# picks for it. gpt2: its own config names, Conv1D layers, a class name that names no loss
-# (GPT2LMHeadModel); qwen3_moe: a mixture-of-experts block (a ZeRO-3 leaf module by DeepSpeed's
-# default) with LoRA on attention and its router trained in full (``trained``: params that train
-# beside the adapters), the experts frozen.
+# Decoder families build_lora_model makes at a ModelSize's shape, beyond any transformers
+# model_type whose config takes Llama's names (LoRA on every linear layer, "all-linear"): per
+# model_type, the LoRA targets a user picks for it, params trained in full beside the adapters
+# (``trained``) and config keywords beyond the shape. gpt2: its own config names, Conv1D layers,
+# a class name that names no loss (GPT2LMHeadModel); qwen3_moe and mixtral: mixture-of-experts
+# blocks (ZeRO-3 leaf modules by DeepSpeed's default) with LoRA on attention and the router
+# trained in full, the experts frozen (PEFT puts LoRA on fused expert weights through
+# torch.nn.utils.parametrize, which Dynamo cannot trace).
 FAMILIES: Dict[str, Dict[str, Any]] = {
     "llama": {"targets": LORA_TARGETS},
     "gpt2": {"targets": ("c_attn", "c_proj", "c_fc")},
     "qwen3_moe": {"targets": ("q_proj", "k_proj", "v_proj", "o_proj"),
                   "trained": ("mlp.gate.weight",),
                   "config": {"num_experts": 4, "num_experts_per_tok": 2}},
+    "mixtral": {"targets": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                "trained": ("mlp.gate.weight",),
+                "config": {"num_local_experts": 4, "num_experts_per_tok": 2}},
 }
 
 
 def _family_config(size: ModelSize, family: str) -> Any:
-    from transformers import AutoConfig
+    import inspect
 
-    spec = FAMILIES[family]
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if family not in CONFIG_MAPPING:
+        raise ValueError(f"build_lora_model: {family!r} is not a model type this transformers "
+                         f"knows (a config's model_type: llama, gpt2, qwen3_moe, mistral, ...)")
     if family == "gpt2":
         # GPT-2's own names; dropout off (the Llama-shaped families have none by default), so
         # that compiled and eager runs draw no random masks.
@@ -103,35 +113,47 @@ def _family_config(size: ModelSize, family: str) -> Any:
             vocab_size=size.vocab, n_positions=max(size.seq_len, 128), tie_word_embeddings=False,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     else:
-        kwargs = dict(size.llama_kwargs(), head_dim=size.hidden // size.heads)
-        if family == "qwen3_moe":
-            kwargs["moe_intermediate_size"] = size.intermediate // 2
-    kwargs.update(spec.get("config", {}))
-    return AutoConfig.for_model(family, **kwargs)
+        kwargs = dict(size.llama_kwargs())
+        # Where the config takes them (FalconConfig's head_dim is a read-only property): the
+        # shape's head size, and an expert's width for mixture-of-experts configs.
+        accepted = inspect.signature(CONFIG_MAPPING[family].__init__).parameters
+        for name, value in (("head_dim", size.hidden // size.heads),
+                            ("moe_intermediate_size", size.intermediate // 2)):
+            if name in accepted:
+                kwargs[name] = value
+    kwargs.update(FAMILIES.get(family, {}).get("config", {}))
+    config = AutoConfig.for_model(family, **kwargs)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value >= size.vocab:  # a default of the full vocabulary
+            setattr(config, name, 0)
+    return config
 
 
 def build_lora_model(size: ModelSize, family: str = "llama", seed: int = 0
                      ) -> Tuple[Any, Dict[str, int]]:
-    """A randomly initialised causal LM of transformers model type ``family`` (one of
-    :data:`FAMILIES`) at ``size``'s shape, wrapped by PEFT LoRA on that family's targets; the
-    adapters train, and the family's ``trained`` params (the MoE router) in full. ``family="llama"`` is :func:`build_lora_llama`. Returns (model, counts)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
+    """A randomly initialised causal LM of transformers model type ``family`` at ``size``'s
+    shape, wrapped by PEFT LoRA, as :data:`FAMILIES` says for it (another model type: a config
+    with Llama's names, LoRA on every linear layer); the adapters train, and the family's
+    ``trained`` params (an MoE router) in full. ``family="llama"`` is :func:`build_lora_llama`.
+    A model type transformers does not know raises ``ValueError``. Returns (model, counts)."""
     if family == "llama":
         return build_lora_llama(size, seed)
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    spec = FAMILIES.get(family, {"targets": "all-linear"})
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_config(_family_config(size, family))
+    targets = spec["targets"]
     lora = LoraConfig(r=size.lora_rank, lora_alpha=2 * size.lora_rank, lora_dropout=0.0,
-                      target_modules=list(FAMILIES[family]["targets"]), task_type="CAUSAL_LM",
-                      fan_in_fan_out=family == "gpt2")
+                      target_modules=targets if isinstance(targets, str) else list(targets),
+                      task_type="CAUSAL_LM", fan_in_fan_out=family == "gpt2")
     model = get_peft_model(base, lora)
-    trained = FAMILIES[family].get("trained", ())
+    trained = tuple(spec.get("trained", ()))
     for name, param in model.named_parameters():
-        if name.endswith(trained):
+        if trained and name.endswith(trained):
             param.requires_grad_(True)
     counts = {"params": sum(p.numel() for p in model.parameters()),
               "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}

@@ -323,6 +323,19 @@ def _evaluate(engine: Any, args: Any, size: Any, dtype: Any, device: Any, step: 
     return sum(losses) / len(losses)
 
 
+def _generate(engine: Any, args: Any, size: Any, device: Any, step: int) -> List[List[int]]:
+    """Greedy generation of 4 tokens after an 8-token prompt through the engine's model
+    (``engine.module.generate``, as an evaluation callback calls it: outside the engine's
+    forward); the prompt and the new tokens."""
+    import torch
+
+    (ids,) = _llama_batch(size, 2 * 10**6 + step, args.seed, device)
+    with torch.no_grad():
+        out = engine.module.generate(input_ids=ids[:1, :8], max_new_tokens=4, do_sample=False,
+                                     pad_token_id=0)
+    return out.tolist()
+
+
 def _batch(step: int, seed: int, dtype: Any, device: Any) -> List[Any]:
     import torch
 
@@ -357,7 +370,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     from torch._dynamo.utils import counters
 
     result.update(deepspeed=deepspeed.__version__, torch=torch.__version__, losses=[], eval_losses=[],
-                  device="cpu" if cpu else torch.cuda.get_device_name())
+                  generated=[], device="cpu" if cpu else torch.cuda.get_device_name())
     if args.native == "ours":
         import ds_z3native
 
@@ -445,6 +458,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
             result["op_calls_last_step"] = _op_calls(profiler)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             result["eval_losses"].append(_evaluate(engine, args, size, dtype, device, step))
+        if args.generate_every and (step + 1) % args.generate_every == 0:
+            result["generated"].append(_generate(engine, args, size, device, step))
         if not cpu:
             torch.cuda.synchronize()
         now = time.perf_counter()
@@ -489,7 +504,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         gather = eager_gather_of(engine)
         result["eager_gather"] = None if gather is None else {
             "params": gather.eager_params, "gathered_total": gather.gathered_total,
-            "held_after_training": gather.held(), "deferred_partitions": gather.deferred_partitions}
+            "held_after_training": gather.held(), "deferred_partitions": gather.deferred_partitions,
+            "generations": gather.generations}
     gathered = stage == 3
     if llama:
         result["params"] = _trainable_params(engine, gathered)
@@ -634,6 +650,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--model", choices=["frozen-linear", "reuse3", "eager-head", "eager-frozen",
                                             "eager-frozen-flagged", "llama"],
                         default="frozen-linear")
+    parser.add_argument("--generate-every", type=int, default=0, metavar="N",
+                        help="--model llama: after every N-th step, greedy generation of 4 "
+                             "tokens through engine.module.generate (result: generated)")
     parser.add_argument("--size", default="tiny", help="llama size (ds_z3native.models)")
     parser.add_argument("--family", default="llama",
                         help="--model llama: this transformers model type at the size's shape "

@@ -55,6 +55,10 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         _INIT_Z3,
         ("deepspeed.runtime.zero.stage3",
          "DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks", ("self",))],
+    "deepcompile-z3-eager-generate": [
+        # transformers' generate() is what it wraps; of DeepSpeed only the engines compiled
+        # with the eager gather (deepcompile-z3-eager-gather), found through their modules.
+        (_ENGINE, "DeepSpeedEngine.compile", ("self",))],
     "deepcompile-hf-checkpoint-graph-breaks": [
         (_ENGINE, "DeepSpeedEngine.compile", ("self",)),
         (_ENGINE, "DeepSpeedEngine.is_deepcompile_enabled", ("self",))],

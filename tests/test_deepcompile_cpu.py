@@ -470,15 +470,19 @@ def test_other_decoder_families_train_like_eager_zero3(family: str) -> None:
     # every compiled forward) and Qwen3-MoE (a mixture-of-experts block, a ZeRO-3 leaf module by
     # DeepSpeed's default, with its router trained in full: ZeRO-3's backward hook on it broke
     # the graph at every layer, and the trainable params then ran eagerly).
-    # 4 steps, an evaluation after steps 2 and 4: the training and the evaluation graphs
+    # 4 steps, an evaluation and a generation (engine.module.generate, outside the engine's
+    # forward) after steps 2 and 4: the training and the evaluation graphs, and eager decoding
     # (DeepCompile's re-plan, at step 6, is the Llama tests' business).
     common = ("--model", "llama", "--family", family, "--size", "tiny",
-              "--checkpointing", "non-reentrant", "--eval-every", "2")
+              "--checkpointing", "non-reentrant", "--eval-every", "2", "--generate-every", "2")
     ours = _ok(run(*common, steps=4), steps=4)
     ref = _ok(run(*common, "--mode", "eager", "--eager-stage", "3", "--native", "deepspeed",
                   steps=4), steps=4)
     _assert_same_training(ours, ref, rtol=1e-4, atol=1e-5, steps=4)
     assert len(ours["eval_losses"]) == 2
+    assert len(ours["generated"]) == 2 and ours["generated"] == ref["generated"]
+    assert ours["eager_gather"]["generations"] == 2
+    assert ours["eager_gather"]["held_after_training"] == []
     torch.testing.assert_close(torch.tensor(ours["eval_losses"]), torch.tensor(ref["eval_losses"]),
                                rtol=1e-4, atol=1e-5)
     assert ours["graph_breaks"] == 0, ours["graph_break_reasons"]
@@ -493,6 +497,18 @@ def test_other_decoder_families_train_like_eager_zero3(family: str) -> None:
         # Without the patch the leaf modules keep ZeRO-3's backward hooks.
         weak = run(*common, "--skip-patch", "deepcompile-z3-leaf-module-hooks", steps=1)
         assert weak.get("error_type") == "EagerTrainableParam", weak.get("error", weak.keys())
+
+
+@pytest.mark.deepspeed
+@needs_cpu_deepcompile
+@pytest.mark.release_matrix
+def test_generate_through_the_engines_peft_model_fails_without_its_gather() -> None:
+    # PEFT's generate() runs the wrapped model's own forward, which DeepCompile never compiled:
+    # eagerly, outside the engine's forward, on partitioned params. With install() it gathers
+    # them (the family tests above generate as eager ZeRO-3 does); without the patch:
+    weak = run("--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant",
+               "--generate-every", "1", "--skip-patch", "deepcompile-z3-eager-generate", steps=1)
+    assert "'weight' must be 2-D" in weak.get("error", ""), weak.get("error", weak.keys())
 
 
 @pytest.mark.deepspeed

@@ -78,7 +78,8 @@ def test_install_hands_our_module_to_every_loader_site(before: Dict[str, Any]) -
     assert report.deepspeed_version == str(DS_VERSION) and report.verdict == "supported"
     expected = (["deepcompile-z3-frozen-grad-buffer"] if OLD else []) + \
         ["deepcompile-z3-declare-frozen", "deepcompile-z3-unfrozen-guard",
-         "deepcompile-z3-leaf-module-hooks", "deepcompile-z3-eager-gather"]
+         "deepcompile-z3-leaf-module-hooks", "deepcompile-z3-eager-gather",
+         "deepcompile-z3-eager-generate"]
     assert [p for p in report.patches if p.startswith("deepcompile-z3")] == expected
     assert "deepcompile-hf-checkpoint-graph-breaks" in report.patches
     assert "gloo-collectives-outside-python-dispatch" in report.patches
@@ -256,7 +257,8 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
     assert [p.name for p in registry.all_patches()] == \
         ["deepcompile-z3-frozen-grad-buffer", "deepcompile-z3-declare-frozen",
          "deepcompile-z3-unfrozen-guard", "deepcompile-z3-leaf-module-hooks",
-         "deepcompile-hf-checkpoint-graph-breaks", "deepcompile-z3-eager-gather", "deepcompile-prefetch-budget",
+         "deepcompile-hf-checkpoint-graph-breaks", "deepcompile-z3-eager-gather",
+         "deepcompile-z3-eager-generate", "deepcompile-prefetch-budget",
          "deepcompile-canonical-graph-ids", "deepcompile-cache-checkpoint-rng",
          "deepcompile-generator-cache-key", "deepcompile-sourceless-symbols", "deepcompile-profile-store", "deepcompile-warm-start",
          "deepcompile-kwargs-dependencies", "deepcompile-resume-schedule",

@@ -27,22 +27,32 @@ its first step with ``RuntimeError: 'weight' must be 2-D`` from the input embedd
   DeepCompile's backend, whose profiler partitions it), and a held param's ``partition`` is
   deferred until the release: DeepCompile's profiler partitions the params of every graph it
   profiles, whoever gathered them.
+* :data:`EAGER_GENERATE` (every release): transformers' ``generate()`` on an engine's model (an
+  evaluation callback's samples) runs outside the engine's forward. Where the model Dynamo
+  compiled is not the one ``generate()`` forwards through (PEFT's ``generate`` calls its wrapped
+  model's, which ``engine.compile()`` never compiled), those forwards are eager and read
+  partitioned params: ``'weight' must be 2-D``. The patch makes a ``generate()`` call on a model
+  of such an engine an eager-gather window (:meth:`EagerFallbackGather.inference`): what its
+  forwards read is gathered, trainable params too (``generate()`` runs under ``no_grad``: no
+  gradient to lose), and partitioned again when it returns. It is called on every rank, as
+  ZeRO-3 needs of any forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from packaging.version import Version
 
 from . import Patch, Undo
-from ._rebind import undo_all, wrap_method
+from ._rebind import undo_all, when_module_imported, wrap_method
 
-__all__ = ["EAGER_GATHER", "PATCHES", "EagerFallbackGather", "EagerTrainableParam",
-           "patch_eager_gather", "eager_gather_of"]
+__all__ = ["EAGER_GATHER", "EAGER_GENERATE", "PATCHES", "EagerFallbackGather",
+           "EagerTrainableParam", "patch_eager_gather", "patch_eager_generate", "eager_gather_of"]
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +159,12 @@ class EagerFallbackGather:
         cls = _eager_params_class()
         self._held: Dict[int, Tuple[Any, Optional[Callable]]] = {}  # ds_id -> (param, its partition)
         self._modules: List[Tuple[Any, Any]] = []  # (module, the dict it had)
-        self.active = False  # inside the engine's forward or backward
+        self.active = False  # inside the engine's forward or backward, or a generate()
         self.pending_backwards = 0  # grad-enabled forwards whose engine.backward has not run
         self.gathered_total = 0  # params gathered eagerly since the engine compiled
         self.deferred_partitions = 0  # partitions of held params others asked for (see _hold)
         self.eager_params: List[str] = []  # names, first time each was gathered
+        self.generations = 0  # generate() windows entered
         for mod_name, module in engine.module.named_modules():
             own = module.__dict__.get("_parameters")
             if not own or not any(hasattr(p, "ds_id") for p in own.values() if p is not None):
@@ -218,6 +229,21 @@ class EagerFallbackGather:
     def held(self) -> List[int]:
         """ds_ids gathered eagerly and not released yet."""
         return sorted(self._held)
+
+    @contextlib.contextmanager
+    def inference(self) -> Iterator[None]:
+        """A window of eager inference outside the engine's forward (``generate()``): params
+        read in it are gathered, and released at its end unless a backward is pending (then at
+        that backward's end). Nests."""
+        was_active = self.active
+        self.active = True
+        self.generations += 1
+        try:
+            yield
+        finally:
+            self.active = was_active
+            if not was_active and self.pending_backwards == 0:
+                self.release()
 
     @_never_compiled
     def release(self) -> None:
@@ -332,6 +358,41 @@ def patch_eager_gather() -> Undo:
     return undo
 
 
+def _gather_owner(module: Any) -> Optional[EagerFallbackGather]:
+    """The eager-fallback gather of the engine whose modules ``module`` holds, if any."""
+    cls = _EAGER_PARAMS_CLS
+    if cls is None or not _ENGINES or not hasattr(module, "modules"):
+        return None
+    for sub in module.modules():
+        params = sub.__dict__.get("_parameters")
+        if isinstance(params, cls):
+            return params._dsz_owner
+    return None
+
+
+def _generating_with_gathers(generate: Callable) -> Callable:
+    def generate_with_eager_gathers(self: Any, *args: Any, **kwargs: Any) -> Any:
+        owner = _gather_owner(self)
+        if owner is None or owner.active:
+            return generate(self, *args, **kwargs)
+        with owner.inference():
+            return generate(self, *args, **kwargs)
+
+    return generate_with_eager_gathers
+
+
+def patch_eager_generate() -> Undo:
+    """transformers' generate() on a model of a DeepCompile ZeRO-3 engine gathers the params its
+    eager forwards read, and partitions them again when it returns."""
+
+    def apply() -> Undo:
+        from transformers.generation import utils
+
+        return wrap_method(utils.GenerationMixin, "generate", _generating_with_gathers)
+
+    return when_module_imported("transformers.generation.utils", apply)
+
+
 EAGER_GATHER = Patch(
     name="deepcompile-z3-eager-gather",
     summary="after engine.compile(), modules that run outside DeepCompile's graphs (graph-break "
@@ -348,4 +409,18 @@ EAGER_GATHER = Patch(
     ),
 )
 
-PATCHES: List[Patch] = [EAGER_GATHER]
+EAGER_GENERATE = Patch(
+    name="deepcompile-z3-eager-generate",
+    summary="after engine.compile(), transformers' generate() on the engine's model gathers the "
+            "params its eager forwards read and partitions them again when it returns (it "
+            "failed with 'weight' must be 2-D)",
+    apply=patch_eager_generate,
+    first=Version("0.19.0"),
+    last=None,
+    wraps=(
+        "transformers.generation.utils:GenerationMixin.generate",
+        "deepspeed.runtime.engine:DeepSpeedEngine.compile",  # the gather it finds (EAGER_GATHER)
+    ),
+)
+
+PATCHES: List[Patch] = [EAGER_GATHER, EAGER_GENERATE]

@@ -2,7 +2,9 @@
 
 Used by ``ds-z3native demo``: a frozen base (every weight of a ``LlamaForCausalLM``) with PEFT
 LoRA adapters on its linear layers, the shape of a real LoRA fine-tune at a size a laptop trains
-in seconds. Needs the ``demo`` extra (``pip install -e ".[demo]"``: transformers, peft, tqdm).
+in seconds. :func:`build_lora_model` builds other transformers model types at the same shapes
+(GPT-2, mixture-of-experts models, ...), for the benchmarks and tests. Needs the ``demo`` extra
+(``pip install -e ".[demo]"``: transformers, peft, tqdm).
 """
 
 from __future__ import annotations

@@ -64,15 +64,27 @@ def build_lora_llama(size: ModelSize, seed: int = 0) -> Tuple[Any, Dict[str, int
     linear layer (:data:`LORA_TARGETS`); only the adapters train. Returns (model, counts) where
     counts has ``params`` and ``trainable``."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(**size.llama_kwargs())
-    base = LlamaForCausalLM(config)
+    return _with_lora(LlamaForCausalLM(config), size, list(LORA_TARGETS))
+
+
+def _with_lora(base: Any, size: ModelSize, targets: Any, trained: Tuple[str, ...] = (),
+               fan_in_fan_out: bool = False) -> Tuple[Any, Dict[str, int]]:
+    """``base`` wrapped by PEFT LoRA of ``size``'s rank on ``targets``, with the params whose
+    names end in one of ``trained`` trained in full too; (model, counts) where counts has
+    ``params`` and ``trainable``."""
+    from peft import LoraConfig, get_peft_model
+
     lora = LoraConfig(r=size.lora_rank, lora_alpha=2 * size.lora_rank, lora_dropout=0.0,
-                      target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
+                      target_modules=targets, task_type="CAUSAL_LM",
+                      fan_in_fan_out=fan_in_fan_out)
     model = get_peft_model(base, lora)
+    for name, param in model.named_parameters():
+        if trained and name.endswith(trained):
+            param.requires_grad_(True)
     counts = {"params": sum(p.numel() for p in model.parameters()),
               "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     return model, counts
@@ -142,24 +154,14 @@ def build_lora_model(size: ModelSize, family: str = "llama", seed: int = 0
     if family == "llama":
         return build_lora_llama(size, seed)
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     spec = FAMILIES.get(family, {"targets": "all-linear"})
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_config(_family_config(size, family))
     targets = spec["targets"]
-    lora = LoraConfig(r=size.lora_rank, lora_alpha=2 * size.lora_rank, lora_dropout=0.0,
-                      target_modules=targets if isinstance(targets, str) else list(targets),
-                      task_type="CAUSAL_LM", fan_in_fan_out=family == "gpt2")
-    model = get_peft_model(base, lora)
-    trained = tuple(spec.get("trained", ()))
-    for name, param in model.named_parameters():
-        if trained and name.endswith(trained):
-            param.requires_grad_(True)
-    counts = {"params": sum(p.numel() for p in model.parameters()),
-              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    return model, counts
+    return _with_lora(base, size, targets if isinstance(targets, str) else list(targets),
+                      trained=tuple(spec.get("trained", ())), fan_in_fan_out=family == "gpt2")
 
 
 def synthetic_batch(size: ModelSize, step: int, rank: int, seed: int = 0) -> Any:

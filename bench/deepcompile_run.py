@@ -500,6 +500,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         from ds_z3native.compat.deepcompile_warm_start import warm_start_stats
 
         result["warm_start"] = warm_start_stats()
+        from ds_z3native.compat.deepcompile_regroup import regroup_stats
+
+        result["single_cycle_regroup"] = regroup_stats()
 
         gather = eager_gather_of(engine)
         result["eager_gather"] = None if gather is None else {

@@ -436,25 +436,31 @@ def _compile_scaling(result: Mapping[str, Any]) -> List[str]:
                      if isinstance(r.get("layers"), int)})
     # The single-cycle columns only where the result holds such a run.
     single = any(r.get("variant") == "ours-single" for r in runs.values())
+    single_warm = any(r.get("variant") == "ours-single-warm" for r in runs.values())
     rows = []
     for n in depths:
-        cold, warm, one, theirs = (_scaling_run(result, v, n) for v in
-                                   ("ours-cold", "ours-warm", "ours-single", "deepspeed-cold"))
+        cold, warm, one, one_warm, theirs = (
+            _scaling_run(result, v, n) for v in
+            ("ours-cold", "ours-warm", "ours-single", "ours-single-warm", "deepspeed-cold"))
         params = next((((r.get("setup") or {}).get("model") or {}).get("params")
-                       for r in (cold, warm, one, theirs) if r and r.get("setup")), None)
+                       for r in (cold, warm, one, one_warm, theirs) if r and r.get("setup")),
+                      None)
         phases = ((cold or {}).get("compile_seconds") or {}).get("to_last_step") or {}
         # A row whose runs come from more than one invocation names each cell's run label
         # (ratios are only taken within one).
-        labels = {r.get("run") for r in (cold, warm, one, theirs) if r and r.get("run")}
+        labels = {r.get("run") for r in (cold, warm, one, one_warm, theirs)
+                  if r and r.get("run")}
 
         def cell(r: Optional[Mapping[str, Any]]) -> str:
             text = _scaling_cell(r)
             return f"{text} ({r['run']})" if r and r.get("run") and len(labels) > 1 else text
 
         rows.append([str(n), _params(params), cell(cold), cell(warm),
-                     *([cell(one)] if single else []), cell(theirs),
+                     *([cell(one)] if single else []),
+                     *([cell(one_warm)] if single_warm else []), cell(theirs),
                      _scaling_ratio(cold, theirs), _scaling_ratio(warm, theirs),
                      *([_scaling_ratio(one, theirs)] if single else []),
+                     *([_scaling_ratio(one_warm, theirs)] if single_warm else []),
                      " / ".join(_num(phases.get(key), "{:.0f}") for _, key in _PHASES)
                      if cold and run_ok(cold) else "-"])
     ckpt_ours, ckpt_theirs = _scaling_checkpointing(result)
@@ -473,11 +479,15 @@ def _compile_scaling(result: Mapping[str, Any]) -> List[str]:
         ["layers", "params", "ds_z3native, cold", "ds_z3native, warm (cache and profile store "
          "of the cold run)",
          *(["ds_z3native, single cycle, cold"] if single else []),
+         *(["ds_z3native, single cycle, warm (cache and profile store of the single-cycle run)"]
+           if single_warm else []),
          "DeepSpeed alone, cold" + (f" ({_ckpt_words(ckpt_theirs)})" if ckpt_theirs != ckpt_ours
                                     else ""),
          f"ours cold / DeepSpeed's, to step {last}",
          f"ours warm / DeepSpeed's cold, to step {last}",
          *([f"ours single cycle / DeepSpeed's cold, to step {last}"] if single else []),
+         *([f"ours single cycle warm / DeepSpeed's cold, to step {last}"] if single_warm
+           else []),
          "ours cold, torch compile_times to step " + str(last) + ": "
          + " / ".join(label for label, _ in _PHASES) + " (s)"], rows)
 
@@ -722,7 +732,9 @@ def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
     others = []  # runs of ours that finished, of another label than DeepSpeed's
     for variant, what, key in (("ours-cold", "cold", "cold_vs_deepspeed"),
                                ("ours-warm", "warm", "warm_vs_deepspeed"),
-                               ("ours-single", "single cycle (cold)", "single_vs_deepspeed")):
+                               ("ours-single", "single cycle (cold)", "single_vs_deepspeed"),
+                               ("ours-single-warm", "single cycle (warm)",
+                                "single_warm_vs_deepspeed")):
         r = _scaling_run(result, variant, n) if isinstance(n, int) else None
         ratio = summary.get(key)
         if r is not None and isinstance(ratio, (int, float)):
@@ -733,6 +745,7 @@ def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
         return []
     ckpt_ours, ckpt_theirs = _scaling_checkpointing(result)
     last = (result.get("setup") or {}).get("last_step", "?")
+    measured = _measured(result, theirs, gpus=1)
     if ours:
         shown = ", ".join(f"{_num(metric_value(r, wall), '{:.0f}')} s {what}" for what, r, _ in ours)
         verdict = (", ".join(f"{ratio:.2f}x {what.split(' (')[0]}" for what, _, ratio in ours)
@@ -742,13 +755,16 @@ def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
         shown = ", ".join(f"{_num(metric_value(r, wall), '{:.0f}')} s {what}"
                           for what, r in others if r.get("run") == label) + f", run {label}"
         verdict = f"no ratio: not one run (DeepSpeed's: run {theirs.get('run')})"
+        # Two runs, maybe two machines: each named.
+        measured = (f"ours: {_measured(result, others[-1][1], gpus=1)}; DeepSpeed's: "
+                    f"{measured}")
     return [[f"DeepCompile, `engine.compile()` to the end of step {last}, {n} layers of the "
              f"1 B LoRA shape, checkpointing",
              shown,
              f"{_num(metric_value(theirs, wall), '{:.0f}')} s (DeepSpeed's own op, cold"
              + (f", {_ckpt_words(ckpt_theirs)})" if ckpt_theirs != ckpt_ours else ")"),
              verdict,
-             _measured(result, theirs, gpus=1)]]
+             measured]]
 
 
 _SUMMARIES: Dict[str, Callable[[Mapping[str, Any]], List[List[str]]]] = {

@@ -3,8 +3,11 @@
 # pytest suite with the installed DeepSpeed, then the DeepSpeed-driving tests again on DeepSpeed
 # 0.19.2, then the release matrix: the tests marked release_matrix on every other supported
 # release (0.19.0, 0.19.1, 0.19.3 - 0.19.7). Each release is fetched once into .cache/ds-X with
-# pip --target (no deps; nothing else is installed). Last, the newest torch pip installs, in a
-# venv under .cache/newest-torch (DSZ_NEWEST_TORCH=off skips it).
+# pip --target (no deps; nothing else is installed); so is transformers 5.17.0, with the
+# huggingface-hub 1.x and httpx it needs, into .cache/tf-5.17.0 (DSZ_TRANSFORMERS_OLD_DIR), for
+# the tests of the patches that change what it does (tests/helpers/old_transformers.py). Last,
+# the newest torch pip installs, in a venv under .cache/newest-torch (DSZ_NEWEST_TORCH=off skips
+# it).
 # Needs: torch, DeepSpeed 0.19.x, `pip install --no-build-isolation -e ".[test]"`, libgtest-dev.
 #
 # The pytest suites run on one pytest-xdist worker per core (at most 4; a test file stays on one
@@ -54,6 +57,22 @@ build_deepspeed_ops() {  # python...: DeepSpeed's CPU shared-memory comm op, whi
   return "$rc"
 }
 
+fetch_transformers() {  # version, directory: that release with the huggingface-hub 1.x and
+  # httpx that transformers 5.17 needs (the installed hub may be newer), pip --target, no deps
+  if [ ! -f "$2/transformers/__init__.py" ] || [ ! -f "$2/huggingface_hub/__init__.py" ] ||
+     [ ! -f "$2/httpx/__init__.py" ]; then
+    echo "== fetching transformers $1 into $2 (pip --target, no deps)"
+    python -m pip install -q --no-deps --upgrade --target "$2" "transformers==$1" \
+      "huggingface-hub>=1.5,<2" "httpx>=0.23,<1" "httpcore==1.*"
+  fi
+}
+
+# transformers 5.17.0 is fetched in the background while the native suite builds and runs.
+tf_old=${DSZ_TRANSFORMERS_OLD_DIR:-.cache/tf-5.17.0}
+mkdir -p .cache
+fetch_transformers 5.17.0 "$tf_old" >.cache/fetch-transformers.log 2>&1 &
+fetching_tf=$!
+
 # The matrix's releases are fetched in the background while the suites before it run.
 releases=(0.19.0 0.19.1 0.19.3 0.19.4 0.19.5 0.19.6 0.19.7)
 if [ "${DSZ_MATRIX:-on}" != off ]; then
@@ -70,6 +89,12 @@ cmake --build "$build" -j "$jobs"
 ctest --test-dir "$build" --output-on-failure -j "$jobs"
 echo "   ($(( $(date +%s) - t0 )) s so far)"
 
+if ! wait "$fetching_tf"; then
+  cat .cache/fetch-transformers.log
+  exit 1
+fi
+DSZ_TRANSFORMERS_OLD_DIR=$(cd "$tf_old" && pwd)
+export DSZ_TRANSFORMERS_OLD_DIR
 echo "== pytest (DeepSpeed $(python -c 'import deepspeed; print(deepspeed.__version__)' 2>/dev/null | tail -1))"
 build_deepspeed_ops python
 python -m pytest tests -q -m "not gpu" -p no:cacheprovider "${par[@]}"

@@ -838,7 +838,7 @@ def test_gpu_conditions_say_why_there_are_none(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- compile_scaling
 
 SUMMARY_KEYS = {"layers", "metric", "cold_vs_deepspeed", "warm_vs_deepspeed",
-                "single_vs_deepspeed", "growth_8_to_16", "single_growth_8_to_16", "compile_growth"}
+                "single_vs_deepspeed", "single_warm_vs_deepspeed", "growth_8_to_16", "single_growth_8_to_16", "compile_growth"}
 
 
 def _plan(*argv: str) -> subprocess.CompletedProcess:
@@ -1048,6 +1048,8 @@ def test_report_tables_compile_scaling_and_sums_it_up(tmp_path: Path) -> None:
               if ln.startswith("| DeepCompile")]
     assert "| 180 s single cycle (cold), run latest | 400 s (DeepSpeed's own op, cold) | " \
         "no ratio: not one run (DeepSpeed's: run later) |" in row, row
+    # Two runs, maybe on two machines: the row says when and on what each was measured.
+    assert row.rstrip(" |").split(" | ")[-1].startswith("ours: ") and "; DeepSpeed's: " in row, row
     # DeepSpeed's baseline run without checkpointing (DeepSpeed alone fails with it): the
     # table's column and the summary row say so.
     result["setup"]["checkpointing"] = {"ours": "non-reentrant", "deepspeed": "none"}
@@ -1154,7 +1156,8 @@ def test_cli_takes_compile_scaling_runs_and_a_run_label() -> None:
         "/tmp/w/compile_scaling/inductor/ours-16l"
     assert "--run label-x" in r.stdout
     r = _plan("--variants", "dc-ckpt")
-    assert r.returncode == 2 and "ours-cold, ours-warm, ours-single, deepspeed-cold" in r.stderr, \
+    assert r.returncode == 2 and \
+        "ours-cold, ours-warm, ours-single, ours-single-warm, deepspeed-cold" in r.stderr, \
         r.stderr
 
 
@@ -1187,6 +1190,17 @@ def test_a_single_cycle_run_is_planned_only_when_named_with_caches_of_its_own() 
         assert single["env"][name] != cold["env"][name]
     assert single["env"]["TORCHINDUCTOR_CACHE_DIR"] == \
         "/tmp/w/compile_scaling/inductor/ours-single-16l"
+
+
+def test_a_single_cycle_warm_run_reuses_the_single_cycle_runs_caches() -> None:
+    r = _plan("--variants", "ours-single-warm,ours-single,ours-warm", "--layers", "16",
+              "--work-dir", "/tmp/w")
+    assert r.returncode == 0, r.stderr
+    warm, single, single_warm = _plan_runs(r.stdout)  # the plan's order
+    assert single_warm["output"] == "ours-single-warm-16l.json"
+    for name in ("TORCHINDUCTOR_CACHE_DIR", PROFILE_STORE_ENV, SINGLE_CYCLE_ENV):
+        assert single_warm["env"][name] == single["env"][name]
+        assert name == SINGLE_CYCLE_ENV or single_warm["env"][name] != warm["env"][name]
 
 
 def test_run_command_echoes_the_process_output_as_it_comes(

@@ -77,6 +77,13 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
     "deepcompile-canonical-graph-ids": [
         ("deepspeed.compile.inductor", "patch_compiler",
          ("original_compiler", "dc_compiler", "z3_partition", "graph_id"))],
+    # The wrapper reads bwd by keyword or as the sixth argument (DeepSpeed passes it by keyword).
+    "deepcompile-single-cycle-regroup": [
+        ("deepspeed.compile.inductor", "patch_compiler",
+         ("original_compiler", "dc_compiler", "z3_partition", "graph_id", "graph_param_manager",
+          "bwd")),
+        ("deepspeed.compile.backend", "profiling_results", None),
+        ("deepspeed.compile.backend", "param_manager", None)],
     "deepcompile-cache-checkpoint-rng": [],  # a torch config table: see tests/test_compat_graph_ids.py
     # torch's: the wrapper passes every argument on and edits the pickler's dispatch_table after.
     "deepcompile-generator-cache-key": [
@@ -150,6 +157,8 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         ("deepspeed.comm.comm", "barrier", ("group", "async_op")),
         ("deepspeed.comm.comm", "get_world_size", ("group",))],
     "hf-trainer-zero3-flos": [],  # transformers' Trainer only: see tests/test_hf_trainer_loop.py
+    # transformers' and torch's only: see tests/test_compat_hf_moe_grouped_mm.py
+    "hf-grouped-mm-fallback-backward": [],
     "engine-train-unchanged-mode": [
         (_ENGINE, "DeepSpeedEngine.train", ("self", "mode"))],
     "engine-zero-grad-param-list": [(_ENGINE, "DeepSpeedEngine.zero_grad", ("self",))],

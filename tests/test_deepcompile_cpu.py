@@ -23,6 +23,7 @@ import torch
 from ds_z3native.compat.hf_graph_breaks import is_kernels_routing
 from ds_z3native.settings import PROFILE_STORE_ENV, WARM_START_ENV
 from helpers.dc_runner import RUNNER, needs_cpu_deepcompile, run_alone, run_together
+from helpers.old_transformers import old_transformers_env
 
 # The watchdog tests and the checkpoint-mode helper test exercise our own harness and HF code,
 # the same whatever the DeepSpeed release: not marked ``deepspeed`` (not rerun on 0.19.2).
@@ -311,11 +312,14 @@ def test_a_single_cycle_compiles_each_graph_once_and_a_later_run_starts_warm_fro
     # Two ranks (gloo). set_single_cycle(True): the first step compiles the re-plan's passes,
     # DeepSpeed's selective_gather runs at its last backward graph (--persist-all: it keeps
     # every param gathered; the ranks agree that the optimizer's states fit first) and no
-    # re-plan follows: one compile per graph where DeepSpeed's schedule takes two. It trains as
-    # the two-cycle run, and its manifests (all params chosen at the last backward graph) let
-    # the next run start warm, from inductor's cache, training the same.
+    # re-plan follows: one compile per graph where DeepSpeed's schedule takes two, and one more
+    # inductor compile of the forward graph, compiled before the choice, with the params kept
+    # gathered grouped (deepcompile-single-cycle-regroup): its steps make the dc op calls of the
+    # two-cycle run's. It trains as the two-cycle run, and its manifests (every param chosen
+    # before the regrouped forward) let the next run start warm, from inductor's cache, with
+    # those graphs, training the same.
     store, env = _cached_env(tmp_path)
-    args = ["--model", "frozen-linear", "--persist-all"]
+    args = ["--model", "frozen-linear", "--persist-all", "--count-ops"]
 
     def on_two_ranks(name: str, argv: List[str], environ: Dict[str, str]) -> Dict[str, Any]:
         result = _ok(run_together({name: (argv, STEPS)}, env=environ, nprocs={name: 2})[name])
@@ -332,15 +336,24 @@ def test_a_single_cycle_compiles_each_graph_once_and_a_later_run_starts_warm_fro
           f"manifest {manifests}")
     assert single["warm_start"] == {"started": 0, "fell_back": 0, "manifests_written": 1,
                                     "profiles_measured": 0, "single_cycles": 1}
-    assert single["compile_caches"] == {"fxgraph_cache_miss": 2}  # fw, bw: once each
+    # fw, bw once each, and the forward again with its persistent params grouped
+    assert single["compile_caches"] == {"fxgraph_cache_miss": 3}
+    assert single["single_cycle_regroup"]["regrouped"] == 1
+    assert single["single_cycle_regroup"]["declined"] == 0
+    assert single["single_cycle_regroup"]["strides_checked"] == 1
     assert sum(twice["compile_caches"].values()) == 4  # DeepSpeed's schedule: twice each
     assert twice["warm_start"]["single_cycles"] == 0
+    # Without the regroup the forward keeps an allgather/wait/release per param per step.
+    assert single["op_calls_last_step"] == twice["op_calls_last_step"]
+    assert not any(op.startswith(("dc::allgather", "dc::wait", "dc::release"))
+                   for op in single["op_calls_last_step"]), single["op_calls_last_step"]
     assert sorted(name.split(".")[-2] for name in manifests) == ["rank0", "rank1"]
     for manifest in manifests.values():
-        assert manifest["early"] == [] and len(manifest["added"]) >= 2  # frozen and trained
+        assert len(manifest["early"]) >= 2 and manifest["added"] == []  # frozen and trained
     _assert_same_training(single, twice, rtol=1e-5, atol=1e-6)
     assert warm["warm_start"]["started"] == 1 and warm["warm_start"]["single_cycles"] == 0
     assert warm["compile_caches"] == {"fxgraph_cache_hit": 2}
+    assert warm["op_calls_last_step"] == single["op_calls_last_step"]
     assert warm["losses"] == single["losses"]
     assert warm["params"] == single["params"]
 
@@ -497,6 +510,37 @@ def test_other_decoder_families_train_like_eager_zero3(family: str) -> None:
         # Without the patch the leaf modules keep ZeRO-3's backward hooks.
         weak = run(*common, "--skip-patch", "deepcompile-z3-leaf-module-hooks", steps=1)
         assert weak.get("error_type") == "EagerTrainableParam", weak.get("error", weak.keys())
+
+
+@pytest.mark.deepspeed
+@needs_cpu_deepcompile
+def test_mixture_of_experts_on_transformers_5_17_trains_like_eager_zero3(tmp_path: Path) -> None:
+    # transformers 5.17 runs Qwen3-MoE's experts under torch.compile with fp32 weights through
+    # its grouped-matmul fallback op, whose backward (a Python loop over offs.tolist())
+    # AOTAutograd could not trace: the first DeepCompile step failed with BackendCompilerFailed.
+    # With hf-grouped-mm-fallback-backward that backward is ds_z3native's op (4 calls a step: two
+    # layers, two grouped matmuls each) and the run trains like eager ZeRO-3 (which compiles
+    # nothing) on the same transformers. One pair of runs (each DeepCompile run takes about a
+    # minute on two cores); the failure without the patch is shown by
+    # tests/test_compat_hf_moe_grouped_mm.py. A fresh inductor cache: AOTAutograd's cache key does
+    # not cover a custom op's autograd formula.
+    env = old_transformers_env({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
+                                "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    common = ("--model", "llama", "--family", "qwen3_moe", "--size", "tiny",
+              "--checkpointing", "non-reentrant", "--eval-every", "2")
+    runs = run_together({"ours": ((*common, "--count-ops"), 4),
+                         "eager": ((*common, "--mode", "eager", "--eager-stage", "3",
+                                    "--native", "deepspeed"), 4)}, env=env)
+    ours, ref = _ok(runs["ours"], steps=4), _ok(runs["eager"], steps=4)
+    assert "hf-grouped-mm-fallback-backward" in ours["install"]["patches"]
+    assert not [u for u in ours["install"]["unverified"] if "hf-grouped-mm" in u], ours["install"]
+    assert ours["op_calls_last_step"].get("ds_z3native::grouped_mm_fallback_backward") == 4, \
+        ours["op_calls_last_step"]
+    _assert_same_training(ours, ref, rtol=1e-4, atol=1e-5, steps=4)
+    torch.testing.assert_close(torch.tensor(ours["eval_losses"]), torch.tensor(ref["eval_losses"]),
+                               rtol=1e-4, atol=1e-5)
+    assert len(ours["eval_losses"]) == 2
+    assert ours["graph_breaks"] == 0, ours["graph_break_reasons"]
 
 
 @pytest.mark.deepspeed

@@ -1,6 +1,9 @@
 """``torch.library.opcheck`` on every dc op of the op list (``ds_z3native/dc_ops.def``, from which
 the extension registers each op and its Meta kernel), with real samples on a live one-rank gloo
-runtime (params and a graph registered, gathers and gradients in flight).
+runtime (params and a graph registered, gathers and gradients in flight); and on every op of
+ds_z3native's own namespace (``ds_z3native::``) registered once the package and its patch
+modules are imported: those defined in Python here, the native ones in the test file named in
+:data:`NATIVE_OPS_ELSEWHERE`.
 
 The ops are stateful (a gather marks a param gathered, a gradient is queued in a bucket), and
 opcheck's sub-tests each run the op one or more times; so every sample is rebuilt on a fresh
@@ -276,3 +279,68 @@ def test_opcheck(op_name: str) -> None:
                 m.reset_comm_stats()
                 out = op(*args, **sample.kwargs)
                 sample.check(m, args, out)
+
+
+# ---- ds_z3native's own namespace ----------------------------------------------------------------
+
+# Native ops of the ds_z3native namespace, opchecked beside their runtime's state.
+NATIVE_OPS_ELSEWHERE = {"gather_persistent": "tests/test_persistent_group.py"}
+
+
+def _grouped_mm_sample(ends: Tuple[int, ...], input_grad: bool, weight_grad: bool,
+                       offs_dtype: torch.dtype = torch.int32,
+                       transposed: bool = False) -> Tuple[Any, ...]:
+    """Arguments of ds_z3native::grouped_mm_fallback_backward as its autograd formula passes
+    them: the weight only where grad_input is asked for, the input only for grad_weight."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(3, 4, 5, generator=g)
+    if transposed:  # transformers passes a (experts, out, in) weight transposed
+        weight = torch.randn(3, 5, 4, generator=g).transpose(-2, -1)
+    x, grad = torch.randn(7, 4, generator=g), torch.randn(7, 5, generator=g)
+    return (x if weight_grad else None, weight if input_grad else None,
+            torch.tensor(ends, dtype=offs_dtype), grad, input_grad, weight_grad)
+
+
+# op name -> [(sample name, arguments)]
+PYTHON_OP_SAMPLES: Dict[str, List[Tuple[str, Callable[[], Tuple[Any, ...]]]]] = {
+    "grouped_mm_fallback_backward": [
+        # expert 1 has no rows, row 6 is past the last offset
+        ("both_grads_empty_expert", lambda: _grouped_mm_sample((2, 2, 6), True, True)),
+        ("input_grad_only_frozen_weight", lambda: _grouped_mm_sample((2, 2, 6), True, False,
+                                                                     torch.int64)),
+        ("weight_grad_only", lambda: _grouped_mm_sample((2, 2, 6), False, True)),
+        ("leading_empty_experts_transposed_weight",
+         lambda: _grouped_mm_sample((0, 0, 7), True, True, transposed=True)),
+    ],
+}
+
+
+def _namespace_ops() -> List[str]:
+    from ds_z3native.compat.registry import all_patches
+
+    ds_z3native.native()
+    all_patches()  # imports every patch module, which define ds_z3native's Python ops
+    return sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("ds_z3native::"))
+
+
+def test_every_ds_z3native_op_has_opcheck_samples() -> None:
+    ops = _namespace_ops()
+    assert ops == sorted(set(PYTHON_OP_SAMPLES) | set(NATIVE_OPS_ELSEWHERE)), (
+        f"ds_z3native ops {ops}: no samples for "
+        f"{sorted(set(ops) - set(PYTHON_OP_SAMPLES) - set(NATIVE_OPS_ELSEWHERE))}")
+    for name in PYTHON_OP_SAMPLES:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ds_z3native::{name}", "Meta"), name
+
+
+@pytest.mark.parametrize("op_name,sample", [(op, i) for op, samples in PYTHON_OP_SAMPLES.items()
+                                            for i in range(len(samples))])
+def test_opcheck_python_op(op_name: str, sample: int) -> None:
+    _namespace_ops()
+    op = getattr(torch.ops.ds_z3native, op_name).default
+    name, build = PYTHON_OP_SAMPLES[op_name][sample]
+    for util in UTILS:
+        try:
+            torch.library.opcheck(op, build(), test_utils=util)
+        except Exception as e:
+            raise AssertionError(f"ds_z3native::{op_name} sample {name!r}, {util}: {e}") from e

@@ -11,6 +11,8 @@ non-reentrant checkpointing, LoRA r=16 on every linear layer) runs, one process 
 * ``ours-single`` (only when ``--variants`` names it): ``dc-ckpt`` cold, its own fresh caches,
   with ``DS_Z3NATIVE_SINGLE_CYCLE=1``: each graph compiled once, at the first step, with the
   re-plan's passes, and no re-plan (``ds_z3native.set_single_cycle``);
+* ``ours-single-warm`` (only when ``--variants`` names it): the same again, from the inductor
+  cache and profile store ``ours-single`` of the same depth filled;
 * ``deepspeed-cold``: ``dc-upstream``, DeepSpeed's own DeepCompile (its op, no ds_z3native) on
   the same model, LoRA and batch without checkpointing, a fresh inductor cache. With
   checkpointing DeepSpeed alone does not run this model (``dc-ckpt-upstream`` fails at its first
@@ -63,7 +65,9 @@ MIN_STEPS = 7
 KINDS = ("ours-cold", "ours-warm", "deepspeed-cold")
 # Every kind ``--variants`` may name, in the order they run: the plan's and a single-cycle cold
 # run (ds_z3native.set_single_cycle).
-ALL_KINDS = ("ours-cold", "ours-warm", "ours-single", "deepspeed-cold")
+ALL_KINDS = ("ours-cold", "ours-warm", "ours-single", "ours-single-warm", "deepspeed-cold")
+# The run whose caches a warm run re-uses (its cache -> that run's cache).
+WARM_FROM = {"warm": "cold", "single-warm": "single"}
 # The LoRA runner's variant per implementation: ours is the dc-ckpt setup; DeepSpeed alone fails
 # on it (see the module's docstring), so its baseline is the same without checkpointing.
 LORA_VARIANT = {"ours": "dc-ckpt", "deepspeed": "dc-upstream"}
@@ -134,14 +138,14 @@ def plan(ctx: BenchContext) -> List[ScalingRun]:
     """The runs, per depth shallowest first: ours cold, ours warm (after the cold run whose cache
     it re-uses), DeepSpeed's op cold; with ``--variants``, only those of :data:`ALL_KINDS`."""
     kinds = [k for k in ALL_KINDS if k in ctx.variants] if ctx.variants else list(KINDS)
-    return [ScalingRun(*kind.split("-"), n) for n in _layers(ctx) for kind in kinds]
+    return [ScalingRun(*kind.split("-", 1), n) for n in _layers(ctx) for kind in kinds]
 
 
 def _inductor_dir(ctx: BenchContext, implementation: str, layers: int, cache: str = "cold"
                   ) -> Path:
     """The inductor cache of an implementation at a depth (a warm run shares its cold run's; a
-    single-cycle run has its own)."""
-    single = "-single" if cache == "single" else ""
+    single-cycle run has its own, which its warm run shares)."""
+    single = "-single" if cache.startswith("single") else ""
     return ctx.work_dir / "compile_scaling" / "inductor" / f"{implementation}{single}-{layers}l"
 
 
@@ -157,7 +161,7 @@ def _command(run: ScalingRun, ctx: BenchContext, steps: int) -> Command:
     env = {"TORCHINDUCTOR_CACHE_DIR": str(_inductor_dir(ctx, run.implementation, run.layers,
                                                         run.cache))}
     if run.implementation == "ours":
-        single = run.cache == "single"
+        single = run.cache.startswith("single")
         env[PROFILE_STORE_ENV] = str(work / "profiles" /
                                      f"{run.layers}l{'-single' if single else ''}")
         env[SINGLE_CYCLE_ENV] = "1" if single else "0"
@@ -207,14 +211,15 @@ def _execute(ctx: BenchContext) -> Dict[str, Any]:
     out: Dict[str, Dict[str, Any]] = {}
     unavailable: Optional[str] = None
     for i, run in enumerate(runs, 1):
-        cold = out.get(ScalingRun(run.implementation, "cold", run.layers).key)
+        source = WARM_FROM.get(run.cache)
+        cold = out.get(ScalingRun(run.implementation, source, run.layers).key) if source else None
         if run.implementation == "deepspeed" and unavailable:
             entry = _entry(run, {"status": "not_available", "reason": unavailable}, None, ctx)
             log.info("[%d/%d] %s: not run, not available: %s", i, len(runs), run.label,
                      unavailable)
-        elif run.cache == "warm" and (not run_ok(cold) if cold is not None else
-                                      not _inductor_dir(ctx, run.implementation,
-                                                        run.layers).is_dir()):
+        elif source and (not run_ok(cold) if cold is not None else
+                         not _inductor_dir(ctx, run.implementation, run.layers,
+                                           source).is_dir()):
             entry = _entry(run, {"status": "not_available", "reason": "not run: the cold run "
                                  "whose inductor cache and profile store it re-uses did not "
                                  "finish (or, run alone, left no cache in --work-dir)"}, None, ctx)
@@ -290,8 +295,9 @@ def _brief(entry: Mapping[str, Any]) -> str:
 def summarize_scaling(runs: Mapping[str, Mapping[str, Any]],
                       layers: Sequence[int]) -> Dict[str, Any]:
     """The result's ``summary``, at the deepest of ``layers``: ``cold_vs_deepspeed``,
-    ``warm_vs_deepspeed`` and ``single_vs_deepspeed`` (our cold / warm / single-cycle cold wall
-    time to the last step over DeepSpeed's cold),
+    ``warm_vs_deepspeed``, ``single_vs_deepspeed`` and ``single_warm_vs_deepspeed`` (our cold /
+    warm / single-cycle cold / single-cycle warm wall time to the last step over DeepSpeed's
+    cold),
     ``growth_8_to_16`` (our cold compile to the end of step 1 at 16 layers over 8),
     ``single_growth_8_to_16`` (the same for the single-cycle cold run), and ``compile_growth``, the same between the two deepest depths where our cold run has both;
     None for each figure whose runs are missing or did not finish."""
@@ -319,6 +325,9 @@ def summarize_scaling(runs: Mapping[str, Mapping[str, Any]],
                                               "wall_to_last_step_s"),
         "growth_8_to_16": same_run_ratio(run("ours-cold", 16), run("ours-cold", 8),
                                          "compile_to_first_step_s"),
+        "single_warm_vs_deepspeed": same_run_ratio(run("ours-single-warm", deepest),
+                                                   run("deepspeed-cold", deepest),
+                                                   "wall_to_last_step_s"),
         "single_growth_8_to_16": same_run_ratio(run("ours-single", 16), run("ours-single", 8),
                                                 "compile_to_first_step_s"),
         "compile_growth": growth,
@@ -361,6 +370,9 @@ def _result(runs: Dict[str, Dict[str, Any]], ctx: BenchContext, steps: int) -> D
                     "of the cold run of the same depth",
             "single": "ours only, where --variants names ours-single: cold (its own fresh "
                       "caches), DS_Z3NATIVE_SINGLE_CYCLE=1: each graph compiled once, no re-plan",
+            "single_warm": "ours only, where --variants names ours-single-warm: a second "
+                           "process re-using the inductor cache and profile store of the "
+                           "single-cycle run of the same depth",
             "deepspeed_warm": "not run: it would cost about another cold run per depth",
             "processes": "one per run, one after another, one GPU" if not ctx.smoke
                          else "one per run, one after another, on the CPU (gloo)",

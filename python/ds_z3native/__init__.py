@@ -154,12 +154,12 @@ def set_single_cycle(enabled: bool) -> None:
     again at its re-plan (after the 5th step) with the prefetch and persistence passes: the
     second compile costs about as long as the first. With this on, the first step runs the
     re-plan's passes at once, on the profiles that step measures, and no re-plan follows: about
-    half the time to a steady state on a cold run. The price is in the steady step: the params
-    DeepSpeed's ``selective_gather`` keeps gathered are chosen at the only cycle's last backward
-    graph, so the graphs compiled before it reach them with DeepSpeed's three op calls per use
-    instead of one ``gather_persistent`` call per graph (:func:`set_group_persistent`); and the
-    choice is made before the optimizer's first step, so the memory its states will take is held
-    back from it (two fp32 values per trainable element, an Adam-like optimizer; a resumed run
+    half the time to a steady state on a cold run. The params DeepSpeed's ``selective_gather``
+    keeps gathered are chosen at the only cycle's last backward graph; the graphs compiled before
+    it are compiled once more by inductor alone, reaching them with one ``gather_persistent``
+    call per graph instead of DeepSpeed's three op calls per use (:func:`set_group_persistent`;
+    patch ``deepcompile-single-cycle-regroup``). The choice is made before the optimizer's first
+    step, so the memory its states will take is held back from it (two fp32 values per trainable element, an Adam-like optimizer; a resumed run
     whose states are loaded already holds that memory back twice and keeps fewer params
     gathered). A job run once benefits; a job restarted often gains more from a profile store
     (:func:`set_warm_start`), which this fills as a re-plan would: a later run starts warm from

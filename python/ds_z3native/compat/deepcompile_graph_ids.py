@@ -68,7 +68,7 @@ from ..dc_ops import DC_OPS
 from . import Patch, Undo
 from ._rebind import when_module_imported, wrap_function
 
-__all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "OWN_GRAPH_ID_ARG", "checkpoint_rng_op",
+__all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "wrap_patch_compiler", "OWN_GRAPH_ID_ARG", "checkpoint_rng_op",
            "mark_checkpoint_rng_cacheable",
            "canonical_graph_id", "uses_graph_id", "canonicalize_graph_ids", "cache_key_tag",
            "CacheBypassLog", "cache_bypasses", "patch_canonical_graph_ids",
@@ -292,21 +292,28 @@ def _with_canonical_ids(patch_compiler: Callable) -> Callable:
     return wrapper
 
 
-def patch_canonical_graph_ids() -> Undo:
-    """Wrap DeepSpeed's ``patch_compiler`` (once DeepSpeed imports its inductor module) so that
-    inductor compiles each DeepCompile graph with canonical graph ids; the undo restores it."""
+def wrap_patch_compiler(make_wrapper: Callable[[Callable], Callable], without: str) -> Undo:
+    """Wrap DeepSpeed's ``patch_compiler``, the wrapper it puts around inductor's forward and
+    backward compilers, once DeepSpeed imports its inductor module; where that module has none,
+    log ``without`` (what is lost) and change nothing. The undo restores it."""
 
     def apply() -> Undo:
         import importlib
 
         module = importlib.import_module(INDUCTOR_MODULE)
         if not hasattr(module, "patch_compiler"):
-            log.warning("%s has no patch_compiler: DeepCompile graphs keep DeepSpeed's run-specific "
-                        "ids (no inductor cache hits across runs)", INDUCTOR_MODULE)
+            log.warning("%s has no patch_compiler: %s", INDUCTOR_MODULE, without)
             return lambda: None
-        return wrap_function([module], "patch_compiler", _with_canonical_ids)
+        return wrap_function([module], "patch_compiler", make_wrapper)
 
     return when_module_imported(INDUCTOR_MODULE, apply)
+
+
+def patch_canonical_graph_ids() -> Undo:
+    """Wrap DeepSpeed's ``patch_compiler`` so that inductor compiles each DeepCompile graph with
+    canonical graph ids; the undo restores it."""
+    return wrap_patch_compiler(_with_canonical_ids, "DeepCompile graphs keep DeepSpeed's "
+                               "run-specific ids (no inductor cache hits across runs)")
 
 
 DEEPCOMPILE_CANONICAL_GRAPH_IDS = Patch(

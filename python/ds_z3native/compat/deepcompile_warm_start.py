@@ -32,8 +32,10 @@ run that recorded it, on that run's memory profile (the same profiles the store 
   default; with or without a profile store): a first cycle that does not start warm runs the
   re-plan's passes at once, on the profiles it measures, and DeepSpeed's own ``selective_gather``
   at its last backward graph, with the optimizer's states yet to come held back from its memory
-  budget (:func:`optimizer_state_bytes`); no re-plan follows. With a store, its profiles and
-  manifest are the re-plan's, so a later run starts warm from them.
+  budget (:func:`optimizer_state_bytes`); no re-plan follows; the graphs compiled before that
+  choice are compiled again with the params it kept gathered grouped
+  (:mod:`.deepcompile_regroup`). With a store, its profiles and manifest are the re-plan's, so
+  a later run starts warm from them.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from packaging.version import Version
 from .. import settings
 from . import Patch, Undo
 from . import deepcompile_profile_store as store
+from . import deepcompile_regroup as regroup
 from ._rebind import undo_all, when_module_imported
 from .deepcompile_persistent import (SELECTIVE_GATHER_MODULE, early_choice,
                                      group_persistent_gathers, last_backward_graph,
@@ -191,6 +194,7 @@ class _WarmStart(store.ProfileObserver):
     def run_single(self, why: str) -> None:
         self.phase, self.rest = "single", []
         self.stats["single_cycles"] += 1
+        regroup.begin_single_cycle()
         log.info("DeepCompile single cycle (%s): the re-plan's passes run now, on this cycle's "
                  "profiles, and no re-plan follows", why)
 
@@ -227,8 +231,11 @@ class _WarmStart(store.ProfileObserver):
             return
         if self.phase == "on" and self.manifest:
             early = sorted(self.manifest["early"])
-        elif self.phase == "single":  # chosen at its last backward graph, as "added" replays
-            early = []
+        elif self.phase == "single":
+            # Chosen at its last backward graph ("added" replays that), except those its
+            # regroup reached in every graph compiled before: a warm start compiles those
+            # graphs with them kept gathered from the start, as the regroup did.
+            early = [i for i in (regroup.regrouped_ids() or []) if i in set(final)]
         else:
             early = [i for i in early_choice() if i in set(final)]
         record = {"format": _FORMAT, "kind": _KIND, "early": early,
@@ -262,6 +269,7 @@ def warm_start_stats() -> Dict[str, int]:
 def reset_warm_start() -> None:
     """Forget this process's warm start and counts (as a new process)."""
     _state.__init__()  # type: ignore[misc]
+    regroup.reset_regroup()
 
 
 def _guarded(fn: Callable, label: Optional[str]) -> Callable:
@@ -339,7 +347,10 @@ def _persistence(selective_gather: Callable) -> Callable:
         if _state.phase == "single":  # DeepSpeed's pass as its module holds it now
             current = getattr(sys.modules.get(SELECTIVE_GATHER_MODULE), _SELECTIVE_GATHER,
                               selective_gather)
-            return _selective_gather_held_back(current, gm, graph_id, graph_order, *args)
+            try:
+                return _selective_gather_held_back(current, gm, graph_id, graph_order, *args)
+            finally:
+                regroup.choice_made()
         if _state.manifest:
             _set_persistent(sorted(_state.manifest["added"]))
         return None

@@ -3,11 +3,17 @@
 * ``deepcompile_frozen``: DeepCompile ZeRO-3 ``init_z3`` with frozen params.
 * ``hf_graph_breaks``: ``engine.compile()`` removes the graph breaks of transformers'
   gradient checkpointing that non-reentrant checkpointing does not need.
+* ``hf_moe_grouped_mm``: transformers' grouped-matmul fallback op (mixture-of-experts experts under
+  torch.compile) gets a backward op AOTAutograd does not trace into, where transformers' own is a
+  Python loop it cannot trace.
 * ``deepcompile_eager``: after ``engine.compile()``, code outside the compiled graphs sees gathered
   params (or a clear error for trainable ones).
 * ``deepcompile_prefetch``: DeepCompile's prefetch pass honours ``set_prefetch_budget``.
 * ``deepcompile_graph_ids``: DeepCompile's graphs reach inductor with run-independent graph ids
   (warm FX-graph cache hits across runs).
+* ``deepcompile_regroup``: a single cycle's graphs compiled before its persistence choice are
+  compiled again with the params it kept gathered grouped (wraps the same function as the
+  graph-id patch, around it, so it sees canonical ids).
 * ``deepcompile_profile_store``: DeepCompile's graph profiles kept between runs.
 * ``deepcompile_warm_start``: with a store holding the job's re-plan, DeepCompile compiles the
   re-plan's graphs at the first step (installed before the two below: they wrap the same
@@ -53,9 +59,11 @@ PATCH_MODULES = (
     "ds_z3native.compat.deepcompile_frozen",
     "ds_z3native.compat.deepcompile_leaf_modules",
     "ds_z3native.compat.hf_graph_breaks",
+    "ds_z3native.compat.hf_moe_grouped_mm",
     "ds_z3native.compat.deepcompile_eager",
     "ds_z3native.compat.deepcompile_prefetch",
     "ds_z3native.compat.deepcompile_graph_ids",
+    "ds_z3native.compat.deepcompile_regroup",
     "ds_z3native.compat.deepcompile_profile_store",
     "ds_z3native.compat.deepcompile_warm_start",
     "ds_z3native.compat.deepcompile_schedule",

@@ -87,3 +87,34 @@ def _close_runs(warm: Dict[str, Any], cold: Dict[str, Any]) -> None:
     b = torch.cat([torch.tensor(cold["params"][n]) for n in warm["params"]])
     moved = torch.cat([torch.tensor(v) for n, v in cold["params"].items() if "lora_B" in n])
     assert float((a - b).abs().mean()) <= CKPT_PARAM_SHARE * float(moved.abs().mean())
+
+
+@pytest.mark.parametrize("checkpointing", [(), ("--checkpointing", "non-reentrant")],
+                         ids=["plain", "checkpointed"])
+def test_a_single_cycle_regroups_its_forward_and_a_second_run_starts_warm_from_it(
+        tmp_path: Path, checkpointing: tuple) -> None:
+    # set_single_cycle(True): each graph compiled once at step 0, DeepSpeed's selective_gather at
+    # the last backward graph, and the forward graph, compiled before that choice, compiled again
+    # by inductor alone with the params kept gathered reached by one gather_persistent call
+    # (patch deepcompile-single-cycle-regroup). Its steps make no per-param dc op call (the
+    # small model fits the device: every param is kept gathered), and the next run of the job
+    # starts warm from its store with every graph from inductor's cache.
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           PROFILE_STORE_ENV: str(tmp_path / "profiles")}
+    args = (*ARGS, *checkpointing, "--count-ops")
+    single = _ok(run_alone("single", (*args, "--single-cycle"), STEPS, env=env))
+    warm = _ok(run_alone("warm", args, STEPS, env=env))
+    label = "single cycle + checkpointing" if checkpointing else "single cycle"
+    print(f"\n[{label}] single {single['single_cycle_regroup']} {single['compile_caches']} "
+          f"{single['op_calls_last_step']}; warm {warm['warm_start']} {warm['compile_caches']}")
+    regroup = single["single_cycle_regroup"]
+    assert regroup["regrouped"] >= 1 and regroup["declined"] == 0
+    assert regroup["strides_checked"] >= 1  # the forward's output strides were compared
+    assert single["warm_start"]["single_cycles"] == 1
+    per_param = {op: n for op, n in single["op_calls_last_step"].items()
+                 if op.startswith(("dc::allgather", "dc::wait", "dc::release"))}
+    assert per_param == {} and single["op_calls_last_step"]["ds_z3native::gather_persistent"] == 2
+    assert warm["warm_start"]["started"] == 1
+    assert warm["op_calls_last_step"] == single["op_calls_last_step"]
+    assert set(warm["compile_caches"]) == {"fxgraph_cache_hit"}, warm["compile_caches"]
+    _close_runs(warm, single)

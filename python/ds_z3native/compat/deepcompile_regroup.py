@@ -48,7 +48,7 @@ from .deepcompile_graph_ids import wrap_patch_compiler
 from .deepcompile_persistent import group_persistent_gathers, group_stats, persistent_ids
 
 __all__ = ["DEEPCOMPILE_SINGLE_CYCLE_REGROUP", "PATCHES", "CompiledHolder", "regroup_stats",
-           "begin_single_cycle", "end_single_cycle", "choice_made", "regrouped_ids",
+           "begin_single_cycle", "choice_made", "regrouped_ids",
            "reset_regroup"]
 
 log = logging.getLogger(__name__)
@@ -124,11 +124,6 @@ def begin_single_cycle() -> None:
     _cycle.active = settings.current().group_persistent
 
 
-def end_single_cycle() -> None:
-    """Forget the kept graphs (the cycle ended or its start fell back)."""
-    _cycle.__init__()  # type: ignore[misc]
-
-
 def choice_made() -> None:
     """The cycle's ``selective_gather`` has chosen: the graph compiling now, and every later
     one, is grouped by the cycle's own passes; those kept are regrouped once it is compiled."""
@@ -138,7 +133,7 @@ def choice_made() -> None:
 
 def reset_regroup() -> None:
     """Forget this process's cycle and counts (as a new process)."""
-    end_single_cycle()
+    _cycle.__init__()  # type: ignore[misc]
     for key in _stats:
         _stats[key] = 0.0 if key == "seconds" else 0
 

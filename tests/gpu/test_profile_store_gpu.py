@@ -37,6 +37,12 @@ CKPT_LOSS_RTOL = 1e-3
 CKPT_PARAM_SHARE = 0.05  # mean |difference| of the LoRA params over their mean |change| (lora_B)
 
 
+def _cache_env(tmp_path: Path) -> Dict[str, str]:
+    """A fresh inductor cache and profile store under ``tmp_path``, shared by a test's runs."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+            PROFILE_STORE_ENV: str(tmp_path / "profiles")}
+
+
 def _ok(r: Dict[str, Any]) -> Dict[str, Any]:
     assert "error" not in r, f"{r['error']}\n{r.get('traceback', '')}\n{r['log_tail']}"
     assert len(r["losses"]) == STEPS
@@ -47,8 +53,7 @@ def _ok(r: Dict[str, Any]) -> Dict[str, Any]:
                          ids=["plain", "checkpointed"])
 def test_a_second_run_starts_warm_from_the_store_and_is_served_by_inductors_cache(
         tmp_path: Path, checkpointing: tuple) -> None:
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-           PROFILE_STORE_ENV: str(tmp_path / "profiles")}
+    env = _cache_env(tmp_path)
     args = (*ARGS, *checkpointing)
     cold = _ok(run_alone("cold", args, STEPS, env=env))
     warm = _ok(run_alone("warm", args, STEPS, env=env))
@@ -99,8 +104,7 @@ def test_a_single_cycle_regroups_its_forward_and_a_second_run_starts_warm_from_i
     # (patch deepcompile-single-cycle-regroup). Its steps make no per-param dc op call (the
     # small model fits the device: every param is kept gathered), and the next run of the job
     # starts warm from its store with every graph from inductor's cache.
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-           PROFILE_STORE_ENV: str(tmp_path / "profiles")}
+    env = _cache_env(tmp_path)
     args = (*ARGS, *checkpointing, "--count-ops")
     single = _ok(run_alone("single", (*args, "--single-cycle"), STEPS, env=env))
     warm = _ok(run_alone("warm", args, STEPS, env=env))

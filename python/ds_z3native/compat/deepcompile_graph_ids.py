@@ -68,9 +68,10 @@ from ..dc_ops import DC_OPS
 from . import Patch, Undo
 from ._rebind import when_module_imported, wrap_function
 
-__all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "wrap_patch_compiler", "OWN_GRAPH_ID_ARG", "checkpoint_rng_op",
+__all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "OWN_GRAPH_ID_ARG", "wrap_patch_compiler",
+           "checkpoint_rng_op",
            "mark_checkpoint_rng_cacheable",
-           "canonical_graph_id", "uses_graph_id", "canonicalize_graph_ids", "cache_key_tag",
+           "canonical_graph_id", "graph_id_of", "uses_graph_id", "canonicalize_graph_ids", "cache_key_tag",
            "CacheBypassLog", "cache_bypasses", "patch_canonical_graph_ids",
            "DEEPCOMPILE_CANONICAL_GRAPH_IDS", "DEEPCOMPILE_CACHE_CHECKPOINT_RNG",
            "DEEPCOMPILE_GENERATOR_CACHE_KEY", "generator_cache_key", "patch_generator_cache_key",
@@ -121,6 +122,12 @@ def _graph_id_args(graph: Any):
             yield node, pos, node.args[pos]
         elif "graph_id" in node.kwargs:
             yield node, "graph_id", node.kwargs["graph_id"]
+
+
+def graph_id_of(graph: Any) -> Any:
+    """The graph id the first native dc op (or op of ds_z3native's) of ``graph`` takes; None
+    where it has none."""
+    return next((value for _, _, value in _graph_id_args(graph)), None)
 
 
 def uses_graph_id(graph: Any, graph_id: int) -> bool:

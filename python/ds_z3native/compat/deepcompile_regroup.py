@@ -44,7 +44,7 @@ from packaging.version import Version
 
 from .. import settings
 from . import Patch, Undo
-from .deepcompile_graph_ids import wrap_patch_compiler
+from .deepcompile_graph_ids import graph_id_of, wrap_patch_compiler
 from .deepcompile_persistent import group_persistent_gathers, group_stats, persistent_ids
 
 __all__ = ["DEEPCOMPILE_SINGLE_CYCLE_REGROUP", "PATCHES", "CompiledHolder", "regroup_stats",
@@ -159,18 +159,7 @@ def _copy_module(gm: Any) -> Any:
 def _current_tag() -> Optional[str]:
     import torch
 
-    return getattr(getattr(torch, "compiler").config, "cache_key_tag", None)
-
-
-def _graph_id_in(gm: Any) -> Optional[int]:
-    """The graph id the dc ops of ``gm`` carry (canonical where the graph-id patch renamed it)."""
-    import torch
-
-    op = torch.ops.dc.allgather_param.default
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target == op:
-            return int(node.args[1])
-    return None
+    return getattr(torch.compiler.config, "cache_key_tag", None)
 
 
 def _recording(compiler: Callable, graph_id: int, bwd: bool) -> Callable:
@@ -225,7 +214,7 @@ def _compile_regrouped(kept: _Kept) -> Optional[Callable]:
     :class:`_Declined` where the new code cannot stand in for the first; None when nothing in the
     graph is kept gathered."""
     gm = _copy_module(kept.gm)
-    graph_id = _graph_id_in(gm)
+    graph_id = graph_id_of(gm.graph)  # canonical where the graph-id patch renamed it
     if graph_id is None:
         return None
     before = group_stats()["removed_calls"]
@@ -241,7 +230,7 @@ def _compile_regrouped(kept: _Kept) -> Optional[Callable]:
         if strides != kept.output_strides:
             raise _Declined(f"its output strides {strides} differ from its first compile's "
                             f"{kept.output_strides}")
-    _stats["removed_calls"] += max(0, removed)
+    _stats["removed_calls"] += removed
     return compiled
 
 

@@ -229,15 +229,16 @@ class _WarmStart(store.ProfileObserver):
         except (AttributeError, KeyError, RuntimeError) as e:
             log.info("DeepCompile warm start: no manifest written (%s)", e)
             return
+        kept = set(final)
         if self.phase == "on" and self.manifest:
             early = sorted(self.manifest["early"])
         elif self.phase == "single":
             # Chosen at its last backward graph ("added" replays that), except those its
             # regroup reached in every graph compiled before: a warm start compiles those
             # graphs with them kept gathered from the start, as the regroup did.
-            early = [i for i in (regroup.regrouped_ids() or []) if i in set(final)]
+            early = [i for i in (regroup.regrouped_ids() or []) if i in kept]
         else:
-            early = [i for i in early_choice() if i in set(final)]
+            early = [i for i in early_choice() if i in kept]
         record = {"format": _FORMAT, "kind": _KIND, "early": early,
                   "added": sorted(set(final) - set(early))}
         path = manifest_path(directory, self.first_key, _rank())

@@ -374,6 +374,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     if args.native == "ours":
         import ds_z3native
 
+        if args.no_deepspeed_fallback:
+            # The fallback is turned off (its method replaced): nothing for the patch of its walks.
+            args.skip_patch = [*args.skip_patch, "deepcompile-z3-fallback-module-list"]
         if args.skip_patch:
             from ds_z3native.compat import registry
 

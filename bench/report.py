@@ -209,7 +209,7 @@ def _native_micro(result: Mapping[str, Any]) -> List[str]:
 
 _LORA_ORDER = ("plain", "none", "upstream", "reentrant", "ours", "dc", "dc-warm", "dc-ckpt",
                "trainer-dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream",
-               "dc-ckpt-upstream")
+               "dc-ckpt-upstream", "dc-ckpt-single")
 _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "upstream": "eager ZeRO-3, DeepSpeed's own", "reentrant": "eager ZeRO-3",
               "ours": "eager ZeRO-3 + ds_z3native holds", "dc": "DeepCompile + ds_z3native",
@@ -220,7 +220,9 @@ _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "dc-ckpt-lowmem": "DeepCompile + ds_z3native, persistence budget 0",
               "dc-ckpt-lean": "DeepCompile + ds_z3native, persistence and prefetch budgets 0",
               "dc-upstream": "DeepCompile, DeepSpeed's JIT op",
-              "dc-ckpt-upstream": "DeepCompile, DeepSpeed's JIT op"}
+              "dc-ckpt-upstream": "DeepCompile, DeepSpeed's JIT op",
+              "dc-ckpt-single": "DeepCompile + ds_z3native, one profiling cycle "
+                                "(`set_single_cycle(True)`)"}
 
 
 def _lora_speedup(r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> Optional[str]:

@@ -162,6 +162,25 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
     "engine-train-unchanged-mode": [
         (_ENGINE, "DeepSpeedEngine.train", ("self", "mode"))],
     "engine-zero-grad-param-list": [(_ENGINE, "DeepSpeedEngine.zero_grad", ("self",))],
+    "zero3-release-param-list": [
+        ("deepspeed.runtime.zero.partitioned_param_coordinator",
+         "PartitionedParameterCoordinator.release_and_reset_all", ("self", "module")),
+        ("deepspeed.runtime.zero.partitioned_param_coordinator",
+         "PartitionedParameterCoordinator.__release_param", ("self", "param", "free_data")),
+        ("deepspeed.runtime.zero.parameter_offload",
+         "DeepSpeedZeRoOffload.partition_all_parameters", ("self",)),
+        ("deepspeed.runtime.zero.parameter_offload",
+         "DeepSpeedZeRoOffload.get_param_coordinator", ("self",))],
+    "deepcompile-z3-fallback-module-list": [
+        ("deepspeed.compile.z3_eager_fallback",
+         "DeepCompileZ3EagerFallback._enable_forward_fallback", ("self",)),
+        ("deepspeed.compile.z3_eager_fallback",
+         "DeepCompileZ3EagerFallback._disable_forward_fallback", ("self",)),
+        ("deepspeed.compile.z3_eager_fallback",
+         "DeepCompileZ3EagerFallback.release_available_params_for_next_forward", ("self",)),
+        ("deepspeed.compile.z3_eager_fallback",
+         "DeepCompileZ3EagerFallback._release_unclaimed_tracked_params", ("self",)),
+        ("deepspeed.runtime.zero.parameter_offload", "ensure_zero_ordered_dict", ("module",))],
     "checkpoint-recompute-frozen": _RECOMPUTE,
     "checkpoint-recompute-hardening": _RECOMPUTE,
 }

@@ -79,7 +79,8 @@ def test_install_hands_our_module_to_every_loader_site(before: Dict[str, Any]) -
     expected = (["deepcompile-z3-frozen-grad-buffer"] if OLD else []) + \
         ["deepcompile-z3-declare-frozen", "deepcompile-z3-unfrozen-guard",
          "deepcompile-z3-leaf-module-hooks", "deepcompile-z3-eager-gather",
-         "deepcompile-z3-eager-generate"]
+         "deepcompile-z3-eager-generate"] + \
+        (["deepcompile-z3-fallback-module-list"] if DS_VERSION >= Version("0.19.4") else [])
     assert [p for p in report.patches if p.startswith("deepcompile-z3")] == expected
     assert "deepcompile-hf-checkpoint-graph-breaks" in report.patches
     assert "gloo-collectives-outside-python-dispatch" in report.patches
@@ -269,7 +270,8 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
          "deepcompile-one-rank-profile",
          "gloo-collectives-outside-python-dispatch",
          "zero3-coalesced-gather-waits-on-every-handle", "hf-trainer-zero3-flos",
-         "engine-train-unchanged-mode", "engine-zero-grad-param-list"]
+         "engine-train-unchanged-mode", "engine-zero-grad-param-list",
+         "zero3-release-param-list", "deepcompile-z3-fallback-module-list"]
     _write_module(tmp_path, "dsz_test_patches_broken", "raise ImportError('half-written module')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "OPTIONAL_MODULES", ("dsz_test_patches_broken",))

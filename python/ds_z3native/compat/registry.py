@@ -33,6 +33,8 @@
   dispatcher run without it (a gloo deadlock otherwise).
 * ``hf_trainer_loop``: HF Trainer's per-step walks of the module tree (``model.train()``,
   ``model.zero_grad()``, its FLOP count) cost a list walk, and its FLOP count sees ZeRO-3's params.
+* ``zero3_walks``: ZeRO-3's optimizer step releases and checks every param over a kept
+  parameter list instead of three walks of the module tree.
 * ``checkpoint_recompute`` (optional module ``ds_z3native.compat.checkpoint_recompute``, its
   ``PATCHES``): eager ZeRO-3 with activation checkpointing of frozen params. Imported lazily; its
   absence is tolerated, an error while importing it is not.
@@ -74,6 +76,7 @@ PATCH_MODULES = (
     "ds_z3native.compat.deepcompile_profiling",
     "ds_z3native.compat.gloo_collectives",
     "ds_z3native.compat.hf_trainer_loop",
+    "ds_z3native.compat.zero3_walks",
 )
 OPTIONAL_MODULES = ("ds_z3native.compat.checkpoint_recompute",)
 

@@ -211,15 +211,23 @@ def _releasing_before_forward_listed(release: Callable) -> Callable:
     return release_available_params_for_next_forward_listed
 
 
+_FALLBACK_METHODS = ("_enable_forward_fallback", "_disable_forward_fallback",
+                     "release_available_params_for_next_forward",
+                     "_release_unclaimed_tracked_params")
+
+
 def patch_fallback_walks() -> Undo:
     """The eager fallback's three walks per forward go over the kept lists (nothing to do where
-    the running DeepSpeed has no such fallback)."""
+    the running DeepSpeed has no such fallback, or one without a release before each forward:
+    0.19.3's)."""
     import importlib.util
 
     if importlib.util.find_spec("deepspeed.compile.z3_eager_fallback") is None:
         return lambda: None
     from deepspeed.compile.z3_eager_fallback import DeepCompileZ3EagerFallback as Fallback
 
+    if not all(name in vars(Fallback) for name in _FALLBACK_METHODS):
+        return lambda: None
     return undo_all([
         LISTS.track(),
         wrap_method(Fallback, "_enable_forward_fallback", _switching_listed(True)),

@@ -180,3 +180,30 @@ def test_the_copy_keys_inductors_cache_as_the_module_it_copies() -> None:
     assert list(copy.__dict__) == list(gm.__dict__)
     assert copy.meta == gm.meta and copy.meta is not gm.meta
     assert copy.code == gm.code and copy.graph is not gm.graph
+
+
+@pytest.mark.parametrize("kind", [tuple, list])
+def test_the_regroup_compiles_with_the_inputs_as_the_first_compile_had_them(
+        monkeypatch: pytest.MonkeyPatch, kind: type) -> None:
+    # Inductor's FX-graph cache key hashes a tuple of example inputs as one item and a list
+    # input by input. DeepSpeed hands the compiler a tuple where it replaces the ZeRO-3 params'
+    # fake inputs (on CUDA); the regroup compiled a list there, and a warm start, which compiles
+    # the regrouped graph first with DeepSpeed's tuple, missed the cache (seen on an H200).
+    _grouping(monkeypatch, changes=True)
+    received: List[Any] = []
+    inner = _compiler()
+
+    def compiler(gm: Any, example_inputs: Any) -> Any:
+        received.append(example_inputs)
+        return inner(gm, example_inputs)
+
+    wrapped = regroup._recording(compiler, graph_id=5, bwd=False)
+    regroup.begin_single_cycle()
+    first = kind([torch.ones(2), torch.zeros(3)])
+    holder = wrapped(_graph_with_a_gather(), first)
+    assert isinstance(holder, regroup.CompiledHolder)
+    regroup._regroup_kept()
+    assert regroup.regroup_stats()["regrouped"] == 1
+    again = received[-1]
+    assert len(received) == 2 and type(again) is kind
+    assert len(again) == len(first) and all(a is b for a, b in zip(again, first))

@@ -79,7 +79,7 @@ class _Kept:
     graph_id: int  # DeepSpeed's id (its process group is found by it)
     bwd: bool
     gm: Any  # a copy of the FX graph module, taken before the compiler changed it
-    example_inputs: List[Any]
+    example_inputs: Any  # as the compiler got them: a tuple or a list (see _same_inputs)
     compiler: Callable
     tracing_context: Any
     cache_key_tag: Optional[str]
@@ -162,6 +162,17 @@ def _current_tag() -> Optional[str]:
     return getattr(torch.compiler.config, "cache_key_tag", None)
 
 
+def _same_inputs(example_inputs: Any) -> Any:
+    """A shallow copy of ``example_inputs`` in the same kind of sequence. Inductor's FX-graph
+    cache key hashes a tuple of inputs as one item and a list input by input, so a list where
+    the first compile had a tuple (DeepSpeed hands a tuple to the compiler when it replaces the
+    ZeRO-3 params' fake inputs: on CUDA) keys the graph differently from the warm start that
+    compiles it first: that start would miss the cache."""
+    if isinstance(example_inputs, tuple):
+        return tuple(example_inputs)
+    return list(example_inputs)
+
+
 def _recording(compiler: Callable, graph_id: int, bwd: bool) -> Callable:
     def compile_kept(gm: Any, example_inputs: Any) -> Any:
         import torch
@@ -175,7 +186,7 @@ def _recording(compiler: Callable, graph_id: int, bwd: bool) -> Callable:
             return compiled
         context = torch._guards.TracingContext.try_get()
         kept = _copy_module(gm)
-        inputs = list(example_inputs)
+        inputs = _same_inputs(example_inputs)
         compiled = compiler(gm, example_inputs)
         strides = getattr(context, "output_strides", None) if context is not None else None
         holder = CompiledHolder(compiled)
@@ -223,7 +234,7 @@ def _compile_regrouped(kept: _Kept) -> Optional[Callable]:
     gm.recompile()
     removed = group_stats()["removed_calls"] - before
     with _as_first_compiled(kept) as strides:
-        compiled = kept.compiler(gm, list(kept.example_inputs))
+        compiled = kept.compiler(gm, _same_inputs(kept.example_inputs))
         strides = None if strides is None else list(strides)
     if kept.output_strides is not None:
         _stats["strides_checked"] += 1

@@ -105,6 +105,10 @@ class TreeLists:
             entry[kind] = build(root, entry["modules"])
         return entry[kind]
 
+    def modules(self, root: Any) -> List[Any]:
+        """The tree's modules (:func:`walk_modules`), kept while the tree is unchanged."""
+        return self.get(root, "modules", lambda _root, modules: modules)
+
 
 def param_list(root: Any, modules: List[Any]) -> List[Any]:
     """``list(root.parameters())`` from the modules' own parameter dicts."""

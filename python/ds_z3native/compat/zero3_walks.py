@@ -99,20 +99,13 @@ def _releasing_listed(release_and_reset_all: Callable) -> Callable:
 
 
 def _checking_listed(partition_all_parameters: Callable) -> Callable:
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    not_available = ZeroParamStatus.NOT_AVAILABLE
-
     def partition_all_parameters_listed(self: Any) -> None:
         module = getattr(self, "module", None)
         if module is None:
             return partition_all_parameters(self)
+        # The release checks every param it went over came back partitioned (DeepSpeed's own
+        # release, where it takes over, checks as well): a second pass would find nothing more.
         self.get_param_coordinator().release_and_reset_all(module)
-        for param in listed_params(module):
-            # A param without a status: from a module removed since the list was kept (the
-            # release above walked the tree as it is and found no such param in it).
-            if getattr(param, "ds_status", not_available) != not_available:
-                raise _not_released(param)
         return None
 
     return partition_all_parameters_listed
@@ -151,10 +144,6 @@ ZERO3_RELEASE_PARAM_LIST = Patch(
 
 # ---- DeepCompile's eager fallback ----------------------------------------------------------------
 
-def _modules(root: Any, modules: List[Any]) -> List[Any]:
-    return modules
-
-
 def _switching_listed(on: bool) -> Callable[[Callable], Callable]:
     """``_enable_forward_fallback`` (``on``) / ``_disable_forward_fallback`` over the kept module
     list: every module's ``_parameters`` made DeepSpeed's ZeRO dict and put into its forward mode;
@@ -168,7 +157,7 @@ def _switching_listed(on: bool) -> Callable[[Callable], Callable]:
             root = getattr(getattr(self, "engine", None), "module", None)
             if root is None:
                 return switch(self)
-            for module in LISTS.get(root, "modules", _modules):
+            for module in LISTS.modules(root):
                 params = module._parameters
                 if on:
                     if not isinstance(params, ZeROOrderedDict):  # else ensure() does nothing

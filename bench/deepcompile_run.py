@@ -387,6 +387,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         result["install"] = ds_z3native.install().__dict__
         if args.no_group_persistent:
             ds_z3native.set_group_persistent(False)
+        if args.no_group_reduce:
+            ds_z3native.set_group_reduce(False)
         if args.single_cycle:
             ds_z3native.set_single_cycle(True)
     if args.time_scheduler:
@@ -506,6 +508,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         from ds_z3native.compat.deepcompile_regroup import regroup_stats
 
         result["single_cycle_regroup"] = regroup_stats()
+        from ds_z3native.compat.deepcompile_reduce_group import reduce_group_stats
+
+        result["reduce_group"] = reduce_group_stats()
 
         gather = eager_gather_of(engine)
         result["eager_gather"] = None if gather is None else {
@@ -685,6 +690,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "param gathered (DeepCompile's own policy keeps none on a CPU)")
     parser.add_argument("--no-group-persistent", action="store_true",
                         help="with ds_z3native: ds_z3native.set_group_persistent(False)")
+    parser.add_argument("--no-group-reduce", action="store_true",
+                        help="with ds_z3native: ds_z3native.set_group_reduce(False)")
     parser.add_argument("--single-cycle", action="store_true",
                         help="with ds_z3native: ds_z3native.set_single_cycle(True)")
     parser.add_argument("--time-scheduler", action="store_true",

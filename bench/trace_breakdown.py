@@ -10,7 +10,7 @@ and returns, per step:
   ``gemm``, ``attention``, ``memcpy``, ``memset``, ``other``) and their ``total``; each launch is
   classified by the kernel it started (the runtime call and the kernel share a correlation id);
 * ``host_ms``: host time in the DeepCompile ops (``dc_ops``: DeepSpeed's ``dc`` ops and
-  ds_z3native's ``ds_z3native::gather_persistent``), in inductor's compiled graphs
+  ds_z3native's ``ds_z3native::gather_persistent`` and ``reduce_grads``), in inductor's compiled graphs
   (``compiled_graphs``: the ``## Call CompiledFxGraph`` spans), the part of the latter that is not
   ``dc`` ops (``graph_wrapper``: inductor's wrapper code and the kernels' launch calls), and in
   launch calls overall (``launch_calls``);
@@ -33,7 +33,8 @@ LAUNCH_KINDS = ("nccl", "triton", "gemm", "attention", "memcpy", "memset", "othe
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 RUNTIME_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 COMPILED_GRAPH = "## Call CompiledFxGraph"
-# The namespaces of the ops DeepCompile's graphs call: DeepSpeed's and ours (gather_persistent).
+# The namespaces of the ops DeepCompile's graphs call: DeepSpeed's and ours (gather_persistent,
+# reduce_grads).
 DC_OP_PREFIXES = ("dc::", "ds_z3native::")
 
 Interval = Tuple[float, float]

@@ -468,6 +468,35 @@ void Runtime::reduceGrad(int64_t graph_id, int64_t ds_id, const at::Tensor& grad
     if (config_.sync_after_reduce) { device_->synchronizeDevice(); }
 }
 
+void Runtime::reduceGrads(int64_t graph_id, const std::vector<int64_t>& ds_ids,
+                          const std::vector<at::Tensor>& grads)
+{
+    DSZ_LOCK;
+    const char* op = "reduce_grads";
+    DSZ_CHECK(ds_ids.size() == grads.size(), op, "graph ", graph_id, ": ", grads.size(),
+              " gradients but ", ds_ids.size(), " ids");
+    DSZ_CHECK(!ds_ids.empty(), op, "graph ", graph_id, ": no ds_ids");
+    GraphExecutor& ex = executor(graph_id, op);
+    std::vector<ParamEntry*> params;
+    params.reserve(ds_ids.size());
+    for (int64_t ds_id : ds_ids) { params.push_back(&member(ex, ds_id, op)); }
+    if (profiling_) { return; }  // the profiler runs the graph without reducing
+    for (size_t i = 0; i < params.size(); ++i) {
+        GradReducer::requireReducible(*params[i], op);
+        GradReducer::requireGradient(*params[i], grads[i], op);
+    }
+    if (config_.sync_before_reduce) { device_->synchronizeDevice(); }
+    if (ex.stage() == ZeroStage::Z1) {
+        for (size_t i = 0; i < params.size(); ++i) {
+            ex.accumulateLocal(ds_ids[i], grads[i]);
+            if (updating_) { reducer_.add(*params[i], ex.takeLocal(ds_ids[i]), op); }
+        }
+    } else {
+        reducer_.addGroup(params, grads, op);
+    }
+    if (config_.sync_after_reduce) { device_->synchronizeDevice(); }
+}
+
 void Runtime::endBackward(int64_t graph_id, bool release_reduce_buckets)
 {
     DSZ_LOCK;

@@ -99,6 +99,11 @@ public:
         int64_t graph_id, const std::vector<int64_t>& ds_ids,
         const std::optional<std::vector<at::ScalarType>>& dtypes);
     void reduceGrad(int64_t graph_id, int64_t ds_id, const at::Tensor& grad);
+    // ds_z3native's own op: reduce_grad for several gradients in one call (one lock, one wait of
+    // the copy stream for the compute stream). Every id and gradient is checked before any is
+    // queued: a refusal queues none of them.
+    void reduceGrads(int64_t graph_id, const std::vector<int64_t>& ds_ids,
+                     const std::vector<at::Tensor>& grads);
     // Refused before any state changes while no backward has begun (start_backward never called
     // since init), except for DeepSpeed's profiler, which runs backward graphs with profiling on
     // and may do so before the first start_backward; see runtime.cpp.

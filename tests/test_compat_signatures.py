@@ -84,6 +84,9 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
           "bwd")),
         ("deepspeed.compile.backend", "profiling_results", None),
         ("deepspeed.compile.backend", "param_manager", None)],
+    # The wrapper passes every argument on, the compiler first.
+    "deepcompile-grouped-reduce": [
+        ("deepspeed.compile.inductor", "patch_compiler", ("original_compiler",))],
     "deepcompile-cache-checkpoint-rng": [],  # a torch config table: see tests/test_compat_graph_ids.py
     # torch's: the wrapper passes every argument on and edits the pickler's dispatch_table after.
     "deepcompile-generator-cache-key": [

@@ -197,17 +197,21 @@ def test_hf_llama_lora_nonreentrant_checkpointing_trains_like_eager_zero3() -> N
 
 @pytest.mark.deepspeed
 @needs_cpu_deepcompile
-def test_params_kept_gathered_are_reached_by_one_call_per_graph_and_train_the_same() -> None:
+def test_params_kept_gathered_and_gradients_are_reached_by_one_call_per_group_and_train_the_same(
+) -> None:
     # Two ranks (gloo), a LoRA Llama with non-reentrant checkpointing, every param kept gathered
     # from the re-plan on (--persist-all stands in for DeepCompile's memory policy, which keeps
     # nothing on a CPU). Grouped: each re-planned graph reaches them with one gather_persistent
-    # call, the trainable LoRA params re-gathered in it after every optimizer step. Ungrouped:
-    # DeepSpeed's three dc op calls per use. The last step's op calls are counted.
+    # call, the trainable LoRA params re-gathered in it after every optimizer step, and the
+    # backward graph hands its gradients to the reduction in one reduce_grads call. Ungrouped:
+    # DeepSpeed's three dc op calls per use and one reduce_grad call per gradient. The last
+    # step's op calls are counted.
     common = ["--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant",
               "--persist-all", "--count-ops"]
     env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     runs = run_together({"grouped": (common, STEPS),
-                         "ungrouped": (common + ["--no-group-persistent"], STEPS)},
+                         "ungrouped": (common + ["--no-group-persistent", "--no-group-reduce"],
+                                       STEPS)},
                         env=env, nprocs={"grouped": 2, "ungrouped": 2})
     grouped, ungrouped = _ok(runs["grouped"]), _ok(runs["ungrouped"])
     _assert_same_training(grouped, ungrouped, rtol=1e-5, atol=1e-6)
@@ -224,7 +228,11 @@ def test_params_kept_gathered_are_reached_by_one_call_per_graph_and_train_the_sa
         assert weak[op] >= stats["params"] // 2
     assert "ds_z3native::gather_persistent" not in weak
     assert ungrouped["persistent_group"]["early_choices"] == 0
-    assert calls["dc::reduce_grad"] == weak["dc::reduce_grad"] > 0
+    reduce = grouped["reduce_group"]
+    assert "dc::reduce_grad" not in calls and weak["dc::reduce_grad"] > 1
+    assert calls["ds_z3native::reduce_grads"] == 1 and "ds_z3native::reduce_grads" not in weak
+    assert reduce["grads"] >= weak["dc::reduce_grad"]  # over every backward compile of the run
+    assert ungrouped["reduce_group"]["graphs"] == 0
 
 
 def _cached_env(tmp_path: Path) -> Tuple[Path, Dict[str, str]]:

@@ -284,7 +284,8 @@ def test_opcheck(op_name: str) -> None:
 # ---- ds_z3native's own namespace ----------------------------------------------------------------
 
 # Native ops of the ds_z3native namespace, opchecked beside their runtime's state.
-NATIVE_OPS_ELSEWHERE = {"gather_persistent": "tests/test_persistent_group.py"}
+NATIVE_OPS_ELSEWHERE = {"gather_persistent": "tests/test_persistent_group.py",
+                        "reduce_grads": "tests/test_reduce_group.py"}
 
 
 def _grouped_mm_sample(ends: Tuple[int, ...], input_grad: bool, weight_grad: bool,

@@ -97,36 +97,65 @@ void GradReducer::requireGradient(const ParamEntry& p, const at::Tensor& grad, c
               ") has no data (its storage was freed, e.g. by release_param)");
 }
 
-void GradReducer::add(ParamEntry& p, const at::Tensor& grad_in, const char* op)
+void GradReducer::add(ParamEntry& p, const at::Tensor& grad, const char* op)
 {
-    requireReducible(p, op);
-    requireGradient(p, grad_in, op);
-    at::Tensor grad = grad_in.detach();
-    if (p.expected_grad_dtype && grad.scalar_type() != *p.expected_grad_dtype) {
-        grad = grad.to(*p.expected_grad_dtype);
+    addGroup({&p}, {grad}, op);
+}
+
+void GradReducer::addGroup(const std::vector<ParamEntry*>& params,
+                           const std::vector<at::Tensor>& grads, const char* op)
+{
+    DSZ_CHECK(params.size() == grads.size(), op, params.size(), " params but ", grads.size(),
+              " gradients");
+    for (size_t i = 0; i < params.size(); ++i) {
+        requireReducible(*params[i], op);
+        requireGradient(*params[i], grads[i], op);
     }
-    const at::ScalarType dtype = grad.scalar_type();
-    const int64_t slot_n = p.slotNumel();
-
-    PerDtype& state = stateFor(dtype, grad.device());
-    if (state.bucket().cursor().needsFlushFor(slot_n)) { flush(dtype, state); }
-    ReduceBucket& bucket = state.bucket();
-
-    // The copy may start once the gradient is computed and the bucket's last flush has read it.
+    // Conversions run on the compute stream, before the point the copies wait for.
+    std::vector<at::Tensor> converted;
+    converted.reserve(grads.size());
+    for (size_t i = 0; i < grads.size(); ++i) {
+        at::Tensor grad = grads[i].detach();
+        const ParamEntry& p = *params[i];
+        if (p.expected_grad_dtype && grad.scalar_type() != *p.expected_grad_dtype) {
+            grad = grad.to(*p.expected_grad_dtype);
+        }
+        converted.push_back(std::move(grad));
+    }
+    // The copies may start once the gradients are computed and a bucket's last flush has read
+    // it: the copy stream waits once for the group, and once for each bucket it writes (again
+    // after a flush, which drains it anew).
     compute_ready_->record(StreamRole::Compute);
     compute_ready_->block(StreamRole::Copy);
-    bucket.drained->block(StreamRole::Copy);
-    at::Tensor slot;
-    {
-        auto scope = device_.use(StreamRole::Copy);
-        at::Tensor flat = grad.reshape({-1});
-        slot = bucket.take(slot_n);
-        noteBucketMemory();
-        slot.narrow(0, 0, p.numel).copy_(flat, /*non_blocking=*/true);
-        if (slot_n > p.numel) { slot.narrow(0, p.numel, slot_n - p.numel).zero_(); }
-        device_.recordStream(flat, StreamRole::Copy);
+    std::vector<const ReduceBucket*> waited;
+    for (size_t i = 0; i < params.size(); ++i) {
+        ParamEntry& p = *params[i];
+        const at::Tensor& grad = converted[i];
+        const at::ScalarType dtype = grad.scalar_type();
+        const int64_t slot_n = p.slotNumel();
+
+        PerDtype& state = stateFor(dtype, grad.device());
+        if (state.bucket().cursor().needsFlushFor(slot_n)) {
+            flush(dtype, state);
+            waited.clear();
+        }
+        ReduceBucket& bucket = state.bucket();
+        if (std::find(waited.begin(), waited.end(), &bucket) == waited.end()) {
+            bucket.drained->block(StreamRole::Copy);
+            waited.push_back(&bucket);
+        }
+        at::Tensor slot;
+        {
+            auto scope = device_.use(StreamRole::Copy);
+            at::Tensor flat = grad.reshape({-1});
+            slot = bucket.take(slot_n);
+            noteBucketMemory();
+            slot.narrow(0, 0, p.numel).copy_(flat, /*non_blocking=*/true);
+            if (slot_n > p.numel) { slot.narrow(0, p.numel, slot_n - p.numel).zero_(); }
+            device_.recordStream(flat, StreamRole::Copy);
+        }
+        state.tasks.push_back(Task{p.ds_id, slot});
     }
-    state.tasks.push_back(Task{p.ds_id, slot});
 }
 
 void GradReducer::noteBucketMemory()

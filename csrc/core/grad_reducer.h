@@ -37,6 +37,10 @@ public:
 
     // Validates `grad` and queues it; flushes the bucket first when it is full.
     void add(ParamEntry& p, const at::Tensor& grad, const char* op);
+    // add() for each (params[i], grads[i]): all validated before any is queued, and the copy
+    // stream waits for the compute stream once for the group.
+    void addGroup(const std::vector<ParamEntry*>& params, const std::vector<at::Tensor>& grads,
+                  const char* op);
     // The dtypes a gradient is reduced in (every backend's reduce-scatter takes them).
     static bool reducibleDtype(at::ScalarType dtype);
     // The bucket elements the queued gradient of ds_id takes, or -1 when none is queued.

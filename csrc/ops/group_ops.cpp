@@ -7,12 +7,19 @@
 // allgather_param + wait_allgather give one param at a time (release_param keeps a persistent
 // param gathered). `params` are the graph's param inputs, taken for the graph's data flow only,
 // as allgather_param takes its first argument.
+//
+//   reduce_grads(int graph_id, Tensor[] grads, int[] ids) -> Tensor
+//
+// reduce_grad for each (grads[i], ids[i]) in one call: every gradient checked before any is
+// queued, one lock, one wait of the copy stream for the compute stream. Returns what reduce_grad
+// returns (an empty tensor end_backward takes as a dependency).
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <vector>
 
 #include "core/check.h"
+#include "ops/kernels.h"
 #include "python_gil.h"
 #include "runtime.h"
 
@@ -57,6 +64,34 @@ std::vector<at::Tensor> gather_persistent_meta(int64_t graph_id, at::TensorList 
     return out;
 }
 
+void requireGroup(int64_t graph_id, at::TensorList grads, at::IntArrayRef ids, const char* op)
+{
+    DSZ_CHECK(grads.size() == ids.size(), op, "graph ", graph_id, ": ", grads.size(),
+              " gradients but ", ids.size(), " ids");
+    DSZ_CHECK(!ids.empty(), op, "graph ", graph_id, ": no ds_ids");
+}
+
+at::Tensor reduce_grads(int64_t graph_id, at::TensorList grads, at::IntArrayRef ids)
+{
+    requireGroup(graph_id, grads, ids, "reduce_grads");
+    GilReleasedIfHeld no_gil;  // see python_gil.h
+    get("reduce_grads")->reduceGrads(graph_id, ids.vec(), grads.vec());
+    return at::empty({0}, grads[0].options());
+}
+
+at::Tensor reduce_grads_meta(int64_t graph_id, at::TensorList grads, at::IntArrayRef ids)
+{
+    const char* op = "reduce_grads (meta)";
+    requireGroup(graph_id, grads, ids, op);
+    for (size_t i = 0; i < ids.size(); ++i) {
+        requireParamMeta(ids[i], op);
+        // Outside a trace a meta gradient would be dropped without a word: it has no values.
+        DSZ_CHECK(!plainMeta(grads[i]), op, "gradient of ds_id ", ids[i], " (shape ",
+                  grads[i].sizes(), ") is a meta tensor: it holds no values to reduce");
+    }
+    return at::empty({0}, grads[0].options());
+}
+
 }  // namespace
 }  // namespace dsz::ops
 
@@ -64,15 +99,18 @@ TORCH_LIBRARY(ds_z3native, m)
 {
     m.def("gather_persistent(int graph_id, Tensor[] params, int[] ids, ScalarType[]? dtypes=None)"
           " -> Tensor[]");
+    m.def("reduce_grads(int graph_id, Tensor[] grads, int[] ids) -> Tensor");
 }
 
 // One kernel for every device: the runtime's backend decides what runs where.
 TORCH_LIBRARY_IMPL(ds_z3native, CompositeExplicitAutograd, m)
 {
     m.impl("gather_persistent", &dsz::ops::gather_persistent);
+    m.impl("reduce_grads", &dsz::ops::reduce_grads);
 }
 
 TORCH_LIBRARY_IMPL(ds_z3native, Meta, m)
 {
     m.impl("gather_persistent", &dsz::ops::gather_persistent_meta);
+    m.impl("reduce_grads", &dsz::ops::reduce_grads_meta);
 }

@@ -177,8 +177,6 @@ void prefetch_params_fused_meta(int64_t graph_id, at::TensorList params, at::Int
               ": ", params.size(), " params but ", ids.size(), " ids");
 }
 
-namespace {
-
 // The ds_id checks of the device kernels, for the Meta kernels: a trace (fake tensors) and a call
 // with real meta tensors see the same unknown-id errors as a run.
 void requireParamMeta(int64_t id, const char* op)
@@ -193,8 +191,6 @@ bool plainMeta(const at::Tensor& t)
 {
     return t.defined() && t.is_meta() && !t.key_set().has(c10::DispatchKey::Python);
 }
-
-}  // namespace
 
 at::Tensor wait_allgather_meta(const at::Tensor& a, int64_t, int64_t id)
 {

@@ -29,6 +29,11 @@ void reload_parameter(const at::Tensor& a, int64_t graph_id, int64_t id);
 void end_backward(const c10::IValue& deps, int64_t graph_id, bool release_reduce_buckets);
 at::Tensor test_call(const at::Tensor& a);
 
+// Shared by the Meta kernels (also those of group_ops.cpp): throws naming `op` when ds_id is not
+// registered; whether `t` is a meta tensor outside a fake-tensor trace (it holds no values).
+void requireParamMeta(int64_t id, const char* op);
+bool plainMeta(const at::Tensor& t);
+
 // Meta kernels, one per line of the op list, each with its device kernel's type (the list names
 // it; ops shaped like their input share one).
 #define DC_OP(name, schema, meta) decltype(name) meta;

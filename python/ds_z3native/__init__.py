@@ -19,8 +19,9 @@ import torch
 from ._native import DcNamespaceTaken, existing_dc_owner, load
 from . import settings
 from ._version import __version__
-from .settings import (GROUP_PERSISTENT_ENV, PERSISTENCE_BUDGET_ENV, PREFETCH_BUDGET_ENV,
-                       PROFILE_STORE_ENV, SINGLE_CYCLE_ENV, WARM_START_ENV, Settings)
+from .settings import (GROUP_PERSISTENT_ENV, GROUP_REDUCE_ENV, PERSISTENCE_BUDGET_ENV,
+                       PREFETCH_BUDGET_ENV, PROFILE_STORE_ENV, SINGLE_CYCLE_ENV, WARM_START_ENV,
+                       Settings)
 from .installer import (InstallError, InstallReport, UnsupportedDeepSpeed, UnverifiedPatchTarget,
                         install, installed, uninstall)
 
@@ -30,7 +31,8 @@ __all__ = ["native", "build_info", "current_graph_task_id", "DcNamespaceTaken",
            "set_persistence_budget",
            "PERSISTENCE_BUDGET_ENV", "set_prefetch_budget", "PREFETCH_BUDGET_ENV",
            "set_profile_store", "PROFILE_STORE_ENV", "set_group_persistent",
-           "GROUP_PERSISTENT_ENV", "set_warm_start", "WARM_START_ENV", "set_single_cycle",
+           "GROUP_PERSISTENT_ENV", "set_group_reduce", "GROUP_REDUCE_ENV", "set_warm_start",
+           "WARM_START_ENV", "set_single_cycle",
            "SINGLE_CYCLE_ENV", "Settings",
            "current_settings"]
 
@@ -125,6 +127,25 @@ def set_group_persistent(enabled: bool) -> None:
     child processes read ``DS_Z3NATIVE_GROUP_PERSISTENT`` (1/0), the default. Use the same setting
     on every rank. ValueError naming this function for anything but a bool."""
     settings.update(group_persistent=settings.check_switch(enabled, "set_group_persistent"))
+
+
+def set_group_reduce(enabled: bool) -> None:
+    """Whether DeepCompile's backward graphs hand their gradients to ds_z3native's reduction in
+    groups, one op call per group (``True``, the default), or one ``reduce_grad`` call per
+    gradient as DeepSpeed compiles them (``False``).
+
+    A LoRA step reduces the gradient of every adapter matrix (224 on a 16-layer Llama with
+    adapters on all linear layers), each through its own dispatcher call from inductor's code;
+    the reduction itself is bucketed either way. With this on, consecutive ``reduce_grad`` calls
+    of a backward graph become one ``ds_z3native::reduce_grads`` call at the last of them (at
+    most 64 gradients or 64 MiB of them per call, so the gradients held for it stay small). The
+    values reduced are the same.
+
+    Read when DeepCompile hands a graph to inductor while ds_z3native is installed (patch
+    ``deepcompile-grouped-reduce``). This process only: nothing is written to ``os.environ``;
+    child processes read ``DS_Z3NATIVE_GROUP_REDUCE`` (1/0), the default. Use the same setting on
+    every rank. ValueError naming this function for anything but a bool."""
+    settings.update(group_reduce=settings.check_switch(enabled, "set_group_reduce"))
 
 
 def set_warm_start(enabled: bool) -> None:

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional
 
 __all__ = ["Settings", "PERSISTENCE_BUDGET_ENV", "PREFETCH_BUDGET_ENV", "PROFILE_STORE_ENV",
-           "GROUP_PERSISTENT_ENV", "WARM_START_ENV", "SINGLE_CYCLE_ENV", "MAX_BUDGET_MIB", "BUDGET_RANGE",
+           "GROUP_PERSISTENT_ENV", "GROUP_REDUCE_ENV", "WARM_START_ENV", "SINGLE_CYCLE_ENV",
+           "MAX_BUDGET_MIB", "BUDGET_RANGE",
            "check_budget_mib",
            "check_profile_store", "check_switch", "current",
            "subscribe", "update", "use"]
@@ -38,6 +39,7 @@ PERSISTENCE_BUDGET_ENV = "DS_Z3NATIVE_PERSISTENCE_BUDGET_MB"
 PREFETCH_BUDGET_ENV = "DS_Z3NATIVE_PREFETCH_BUDGET_MB"
 PROFILE_STORE_ENV = "DS_Z3NATIVE_PROFILE_STORE"
 GROUP_PERSISTENT_ENV = "DS_Z3NATIVE_GROUP_PERSISTENT"
+GROUP_REDUCE_ENV = "DS_Z3NATIVE_GROUP_REDUCE"
 WARM_START_ENV = "DS_Z3NATIVE_WARM_START"
 SINGLE_CYCLE_ENV = "DS_Z3NATIVE_SINGLE_CYCLE"
 _SWITCH_VALUES = {"1": True, "true": True, "on": True, "yes": True,
@@ -96,6 +98,9 @@ class Settings:
     # False: DeepCompile's re-plan keeps DeepSpeed's three dc op calls per use of a param kept
     # gathered (compat.deepcompile_persistent).
     group_persistent: bool = True
+    # False: DeepCompile's backward graphs keep DeepSpeed's reduce_grad call per gradient
+    # (compat.deepcompile_reduce_group).
+    group_reduce: bool = True
     # False: with a profile store, DeepCompile still compiles a first cycle and re-plans
     # (compat.deepcompile_warm_start).
     warm_start: bool = True
@@ -108,6 +113,7 @@ class Settings:
         check_budget_mib(self.prefetch_budget_mib, "Settings.prefetch_budget_mib")
         check_profile_store(self.profile_store, "Settings.profile_store")
         check_switch(self.group_persistent, "Settings.group_persistent")
+        check_switch(self.group_reduce, "Settings.group_reduce")
         check_switch(self.warm_start, "Settings.warm_start")
         check_switch(self.single_cycle, "Settings.single_cycle")
 
@@ -150,6 +156,7 @@ class Settings:
                    prefetch_budget_mib=budget(PREFETCH_BUDGET_ENV),
                    profile_store=Path(store) if store else None,
                    group_persistent=switch(GROUP_PERSISTENT_ENV, True),
+                   group_reduce=switch(GROUP_REDUCE_ENV, True),
                    warm_start=switch(WARM_START_ENV, True),
                    single_cycle=switch(SINGLE_CYCLE_ENV, False))
 

@@ -38,6 +38,11 @@ RUNS: Dict[str, tuple] = {
     "nockpt-bf16-eager": (*LLAMA, "--size", "small", "--dtype", "bf16", *EAGER),
     "ckpt-fp32-dc": (*LLAMA, "--size", "tiny", "--dtype", "fp32", *CKPT, *DC),
     "ckpt-fp32-eager": (*LLAMA, "--size", "tiny", "--dtype", "fp32", *CKPT, *EAGER),
+    # The gradients handed to the reduction one call each (DeepSpeed's graphs) and in groups.
+    "ckpt-fp32-dc-counted": (*LLAMA, "--size", "tiny", "--dtype", "fp32", *CKPT, *DC,
+                             "--count-ops"),
+    "ckpt-fp32-dc-ungrouped-reduce": (*LLAMA, "--size", "tiny", "--dtype", "fp32", *CKPT, *DC,
+                                      "--count-ops", "--no-group-reduce"),
     "ckpt-bf16-gather-only": (*LLAMA, "--size", "small", "--dtype", "bf16", *CKPT, *DC,
                               "--skip-patch", HF_PATCH),
 }
@@ -174,3 +179,17 @@ def test_eager_fallback_gather_alone_trains_with_the_graph_breaks_kept(runs: Dic
         print(f"[weak] without our patches: {weak['error']}")
     else:
         print(f"[weak] without our patches this torch trains too ({weak['graph_breaks']} graph breaks)")
+
+
+def test_gradients_handed_over_in_groups_train_as_one_call_each(runs: Dict[str, Any]) -> None:
+    # ds_z3native::reduce_grads queues the gradients reduce_grad would queue, into the same
+    # buckets; the two backward graphs differ only there (inductor may schedule them apart).
+    grouped = _trained(runs["ckpt-fp32-dc-counted"])
+    ungrouped = _trained(runs["ckpt-fp32-dc-ungrouped-reduce"])
+    print(f"\n[grouped reduce] {grouped['reduce_group']}; last step's op calls: grouped "
+          f"{grouped['op_calls_last_step']}, ungrouped {ungrouped['op_calls_last_step']}")
+    _compare(grouped, ungrouped, bf16=False)
+    calls, weak = grouped["op_calls_last_step"], ungrouped["op_calls_last_step"]
+    assert "dc::reduce_grad" not in calls and weak["dc::reduce_grad"] > 1
+    assert calls["ds_z3native::reduce_grads"] == 1
+    assert ungrouped["reduce_group"]["graphs"] == 0

@@ -165,6 +165,69 @@ TEST(Buckets, SmallBucketsFlushEarlyAndStillReduceCorrectly)
     }
 }
 
+// reduce_grads (ds_z3native's op): gradients handed over in groups of three land what one
+// reduce_grad per gradient lands, also where the bucket fills in the middle of a group.
+TEST(Grouped, GroupsLandWhatOneCallPerGradientLandsAcrossFlushes)
+{
+    const std::vector<std::vector<int64_t>> shapes = {{5}, {2}, {13}, {4}, {1}, {7}, {3}};
+    for (int64_t ws : {1, 2, 3}) {
+        for (bool double_buffer : {true, false}) {
+            SCOPED_TRACE("world_size " + std::to_string(ws) + " double_buffer " +
+                         std::to_string(double_buffer));
+            runRanks(ws, smallConfig(8, double_buffer), [&](int64_t rank, Runtime& rt) {
+                const GraphParams p = registerGraphOf(rt, shapes, 10);
+                for (int64_t step = 0; step < 2; ++step) {
+                    rt.startBackward(/*boundary=*/step == 1);
+                    for (size_t first = 0; first < p.ids.size(); first += 3) {
+                        std::vector<int64_t> ids;
+                        std::vector<at::Tensor> grads;
+                        for (size_t i = first; i < std::min(first + 3, p.ids.size()); ++i) {
+                            ids.push_back(p.ids[i]);
+                            grads.push_back(rankGrad(p.ids[i], p.shapes[i], rank, step));
+                        }
+                        rt.reduceGrads(kGraph, ids, grads);
+                    }
+                    rt.endBackward(kGraph, /*release_reduce_buckets=*/step == 1);
+                }
+                expectShards(p, ws, rank, {0, 1}, /*padding_zero=*/true);
+                EXPECT_EQ(rt.stats().reduce_scatter_calls, 2 * static_cast<int64_t>(p.ids.size()));
+                EXPECT_GT(rt.stats().bucket_flushes, 2 * 2);  // flushed within groups
+            });
+        }
+    }
+}
+
+// A group with one refused gradient queues none of them, issues no collective, and the runtime
+// reduces the next group.
+TEST(Grouped, ARefusedGroupQueuesNothing)
+{
+    runRanks(2, smallConfig(), [&](int64_t rank, Runtime& rt) {
+        at::Tensor ok_buf = registerZ3(rt, 6001, {3, 3});
+        registerZ3(rt, 6002, {5}, /*frozen=*/true);
+        at::Tensor other_buf = registerZ3(rt, 6003, {4});
+        rt.registerGraph(kGraph, {6001, 6002, 6003}, ZeroStage::Z3);
+        rt.startBackward(true);
+        const at::Tensor g1 = rankGrad(6001, {3, 3}, rank, 0);
+        EXPECT_TRUE(throwsNaming(
+            [&] { rt.reduceGrads(kGraph, {6001, 6002}, {g1, rankGrad(6002, {5}, rank, 0)}); },
+            {"reduce_grads", "6002", "frozen"}));
+        EXPECT_TRUE(throwsNaming(
+            [&] { rt.reduceGrads(kGraph, {6001, 6099}, {g1, rankGrad(6099, {4}, rank, 0)}); },
+            {"reduce_grads", "6099"}));
+        EXPECT_TRUE(throwsNaming(
+            [&] { rt.reduceGrads(kGraph, {6001, 6003}, {g1, zerosF(9)}); },
+            {"reduce_grads", "6003", "9 elements"}));
+        EXPECT_TRUE(throwsNaming([&] { rt.reduceGrads(kGraph, {6001}, {}); },
+                                 {"reduce_grads", "0 gradients but 1 ids"}));
+        EXPECT_EQ(rt.pendingGradients(), 0u);
+        rt.reduceGrads(kGraph, {6001, 6003}, {g1, rankGrad(6003, {4}, rank, 0)});
+        EXPECT_EQ(rt.pendingGradients(), 2u);
+        rt.endBackward(kGraph, true);
+        expectShard(ok_buf, expectedShard(6001, {3, 3}, 2, rank, {0}), 6001);
+        expectShard(other_buf, expectedShard(6003, {4}, 2, rank, {0}), 6003);
+    });
+}
+
 TEST(Buckets, NoBucketIsLargerThanAllReducibleGradients)
 {
     // A configured size of 1M elements (DeepSpeed's default is 500M), two small trainable

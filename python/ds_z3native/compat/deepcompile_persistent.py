@@ -38,6 +38,7 @@ from .. import settings
 from . import Patch, Undo
 from ._rebind import when_module_imported
 from .deepcompile_schedule import wrap_launch_compile_passes
+from .inductor_fallback import register_fallback_lowering
 
 __all__ = ["DEEPCOMPILE_PERSISTENT_GROUP", "PATCHES", "group_persistent_gathers",
            "gather_persistent_op", "choose_persistent_early", "last_backward_graph",
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 BACKEND_MODULE = "deepspeed.compile.backend"
 SELECTIVE_GATHER_MODULE = "deepspeed.compile.passes.selective_gather"
 
-_lowering_registered = False
 # What this process's re-plans did: early choices made, graphs grouped, params and dc op calls.
 _stats = {"early_choices": 0, "graphs": 0, "params": 0, "removed_calls": 0}
 # The params kept gathered after this process's last early choice (ds_ids, ascending).
@@ -87,33 +87,6 @@ def gather_persistent_op() -> Any:
 
     _native.load()
     return torch.ops.ds_z3native.gather_persistent.default
-
-
-def _register_lowering() -> None:
-    """Inductor calls the op as a fallback kernel whose outputs it never plans other buffers
-    into: they are the runtime's long-lived gathered copies, not the graph's own."""
-    global _lowering_registered
-    if _lowering_registered:
-        return
-    from torch._inductor import ir
-    from torch._inductor.lowering import add_needs_realized_inputs, register_lowering
-    from torch._inductor.virtualized import V
-    from torch.utils import _pytree as pytree
-
-    op = gather_persistent_op()
-
-    def keep(out: Any) -> Any:
-        if isinstance(out, ir.IRNode):
-            V.graph.never_reuse_buffers.add(out.get_name())
-            return ir.TensorBox.create(out)
-        return out
-
-    def lower(*args: Any, **kwargs: Any) -> Any:
-        return pytree.tree_map(keep, ir.FallbackKernel.create(op, *args, **kwargs))
-
-    add_needs_realized_inputs(op)
-    register_lowering(op, type_promotion_kind=None)(lower)
-    _lowering_registered = True
 
 
 def _is(node: Any, target: Any) -> bool:
@@ -186,7 +159,7 @@ def group_persistent_gathers(gm: Any, graph_id: int, graph_order: Any, profiling
         chosen = [c for c in resolved if c[2] is not None]
     if not chosen:
         return None
-    _register_lowering()
+    register_fallback_lowering(gather_persistent_op(), never_reuse_inputs=False)
     chosen_ids = {ds_id for ds_id, _, _ in chosen}
     first = next(n for n in graph.nodes if _is(n, dc.allgather_param.default)
                  and int(n.args[2]) in chosen_ids)

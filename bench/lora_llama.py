@@ -1057,7 +1057,10 @@ def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[
         merged.setdefault("replaced", []).append(record)
         kept_beside.append(record)
     sizes = {(r.get("setup") or {}).get("world_size") for r in merged["runs"].values()} - {None}
-    merged["bench"] = bench_name(max(sizes, default=1))
+    name = bench_name(max(sizes, default=1))
+    # An output named after the bench with a suffix (lora_llama_h100.json: runs on another kind
+    # of GPU) is a result of its own, with its own table.
+    merged["bench"] = output.stem if output.stem.startswith(name + "_") else name
 
     def usable(r: Mapping[str, Any]) -> bool:
         return "error" not in r and "step_ms" in r

@@ -52,9 +52,12 @@ BASELINES: Dict[str, Tuple[Tuple[str, ...], bool]] = {
 
 
 def _family(name: str) -> str:
-    """The benchmark a result belongs to: ``lora_llama_ws2`` (the 2-GPU runs) -> ``lora_llama``."""
-    base, sep, ws = name.rpartition("_ws")
-    return base if sep and ws.isdigit() else name
+    """The benchmark a result belongs to: ``lora_llama_ws2`` (the 2-GPU runs) and
+    ``lora_llama_h100`` (runs on another kind of GPU) -> ``lora_llama``."""
+    for family in ORDER:
+        if name.startswith(family + "_") and family in BASELINES:
+            return family
+    return name
 
 
 # --------------------------------------------------------------------------- loading

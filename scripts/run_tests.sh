@@ -81,6 +81,23 @@ if [ "${DSZ_MATRIX:-on}" != off ]; then
   fetching=$!
 fi
 
+# The newest torch's venv is made and that torch installed (a download of gigabytes, mostly
+# waiting on the network and the disk) in the background while the suites before it run.
+newest_venv=$PWD/.cache/newest-torch
+install_newest_torch() {
+  [ -x "$newest_venv/bin/python" ] || python -m venv --system-site-packages "$newest_venv"
+  # --system-site-packages shows the base interpreter's packages only: run from a virtualenv, this
+  # environment's packages (DeepSpeed, transformers, pytest...) live in its own site-packages, so
+  # a .pth adds those after the venv's own (its torch first).
+  python tests/helpers/venv_site.py "$newest_venv/bin/python"
+  "$newest_venv/bin/python" -m pip install -q --upgrade "${DSZ_NEWEST_TORCH:-torch}"
+}
+if [ "${DSZ_NEWEST_TORCH:-torch}" != off ]; then
+  mkdir -p .cache
+  install_newest_torch >.cache/newest-torch-install.log 2>&1 &
+  installing_torch=$!
+fi
+
 echo "== native core: gtest via CMake + ctest"
 build=${DSZ_CMAKE_BUILD:-build/cmake}
 prefix=$(python -c "import torch; print(torch.utils.cmake_prefix_path)")
@@ -177,14 +194,12 @@ fi
 # DeepCompile on the CPU.
 if [ "${DSZ_NEWEST_TORCH:-torch}" != off ]; then
   t2=$(date +%s)
-  venv=$PWD/.cache/newest-torch
-  echo "== newest torch: pip install --upgrade '${DSZ_NEWEST_TORCH:-torch}' in .cache/newest-torch"
-  [ -x "$venv/bin/python" ] || python -m venv --system-site-packages "$venv"
-  # --system-site-packages shows the base interpreter's packages only: run from a virtualenv, this
-  # environment's packages (DeepSpeed, transformers, pytest...) live in its own site-packages, so
-  # a .pth adds those after the venv's own (its torch first).
-  python tests/helpers/venv_site.py "$venv/bin/python"
-  "$venv/bin/python" -m pip install -q --upgrade "${DSZ_NEWEST_TORCH:-torch}"
+  venv=$newest_venv
+  echo "== newest torch: pip install --upgrade '${DSZ_NEWEST_TORCH:-torch}' in .cache/newest-torch (started in the background)"
+  if ! wait "$installing_torch"; then
+    cat .cache/newest-torch-install.log
+    exit 1
+  fi
   rm -rf "$venv/src" && mkdir -p "$venv/src"
   git ls-files -z | xargs -0 tar cf - | tar xf - -C "$venv/src"
   (cd "$venv/src" && DS_Z3NATIVE_CUDA=0 "$venv/bin/python" -m pip install -q --no-build-isolation \

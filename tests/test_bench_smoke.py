@@ -509,6 +509,34 @@ def test_two_gpu_lora_runs_get_their_own_result_and_table(tmp_path: Path) -> Non
     assert "6.00x vs `upstream`, peak 1.10x" in row
 
 
+def test_runs_on_another_kind_of_gpu_get_their_own_result_and_lora_table(tmp_path: Path) -> None:
+    from bench.lora_llama import merge
+
+    def record(variant: str, median: float, device: str) -> Path:
+        path = tmp_path / f"{variant}-{device[-4:]}.json"
+        path.write_text(json.dumps({
+            "variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 5.0,
+            "run": "r", "step_ms": {"median": median, "min": median, "max": median},
+            "setup": {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4,
+                      "device": device, "checkpointing": "non-reentrant",
+                      "deepcompile": variant.startswith("dc")}}))
+        return path
+
+    results = tmp_path / "results"
+    merge([record("plain", 100.0, "NVIDIA H200"), record("dc-ckpt", 100.0, "NVIDIA H200")],
+          results / "lora_llama.json")
+    other = merge([record("plain", 150.0, "NVIDIA H100 80GB HBM3"),
+                   record("dc-ckpt", 120.0, "NVIDIA H100 80GB HBM3")],
+                  results / "lora_llama_h100.json")
+    assert other["bench"] == "lora_llama_h100"
+    loaded = report.load_results(results)
+    assert set(loaded) == {"lora_llama", "lora_llama_h100"}  # neither hides the other
+    block = report.render_block(loaded)
+    assert block.count("**LoRA fine-tune step**") == 2 and "NVIDIA H100 80GB HBM3" in block
+    rows = [ln for ln in block.splitlines() if ln.startswith("| dc-ckpt |")]
+    assert any("0.80x `plain`'s" in r for r in rows) and any("1.00x `plain`'s" in r for r in rows)
+
+
 def test_suite_runs_lora_on_two_gpus_under_torchrun() -> None:
     r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--ranks", "2"],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)

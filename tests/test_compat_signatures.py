@@ -184,6 +184,9 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         ("deepspeed.compile.z3_eager_fallback",
          "DeepCompileZ3EagerFallback._release_unclaimed_tracked_params", ("self",)),
         ("deepspeed.runtime.zero.parameter_offload", "ensure_zero_ordered_dict", ("module",))],
+    "zero3-flat-grad-norm": [
+        ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct",
+         ("self", "gradients", "params", "norm_type"))],
     "checkpoint-recompute-frozen": _RECOMPUTE,
     "checkpoint-recompute-hardening": _RECOMPUTE,
 }

@@ -23,6 +23,7 @@ from typing import Any, Dict, List
 import pytest
 
 from helpers.dist import run_ranks
+from helpers.zero import install_without
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -211,7 +212,6 @@ def _leaf_module_scenario(rank: int, world_size: int, patched: bool) -> Dict[str
     import deepspeed
     import ds_z3native
     from deepspeed.utils import set_z3_leaf_modules
-    from ds_z3native.compat import registry
     from ds_z3native.compat.deepcompile_leaf_modules import leaf_module_hooks_removed
 
     class Block(torch.nn.Module):
@@ -222,11 +222,10 @@ def _leaf_module_scenario(rank: int, world_size: int, patched: bool) -> Dict[str
         def forward(self, x: Any) -> Any:
             return self.down(torch.relu(self.up(x)))
 
-    if not patched:
-        every = registry.all_patches
-        registry.all_patches = lambda: [p for p in every()
-                                        if p.name != "deepcompile-z3-leaf-module-hooks"]
-    ds_z3native.install()
+    if patched:
+        ds_z3native.install()
+    else:
+        install_without("deepcompile-z3-leaf-module-hooks")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), Block(), torch.nn.Linear(5, 3))
     model[0].requires_grad_(False)

@@ -19,6 +19,7 @@ import pytest
 
 from helpers.dc_runner import needs_cpu_deepcompile
 from helpers.dist import run_ranks
+from helpers.zero import install_without
 
 pytestmark = pytest.mark.deepspeed
 
@@ -33,12 +34,10 @@ def _engine(patched: bool) -> Any:
 
     import ds_z3native
 
-    if not patched:
-        from ds_z3native.compat import registry
-
-        every = registry.all_patches
-        registry.all_patches = lambda: [p for p in every() if p.name != "zero3-release-param-list"]
-    ds_z3native.install()
+    if patched:
+        ds_z3native.install()
+    else:
+        install_without("zero3-release-param-list")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
                                 torch.nn.ReLU(), torch.nn.Linear(8, 4))

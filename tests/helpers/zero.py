@@ -58,3 +58,14 @@ def assert_unpatched_outcome(unpatched: Dict[str, Any], upstream_fix: bool) -> N
         assert "CheckpointError" in unpatched.get("error", ""), unpatched
         assert "recomputed metadata: {'shape': torch.Size([0])" in unpatched["error"], \
             unpatched["error"]
+
+
+def install_without(*names: str) -> None:
+    """``ds_z3native.install()`` with every patch but ``names`` (in this process: a rank's or a
+    subprocess's), to show what those patches change."""
+    import ds_z3native
+    from ds_z3native.compat import registry
+
+    every = registry.all_patches
+    registry.all_patches = lambda: [p for p in every() if p.name not in names]
+    ds_z3native.install()

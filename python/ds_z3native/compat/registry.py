@@ -35,6 +35,8 @@
   ``model.zero_grad()``, its FLOP count) cost a list walk, and its FLOP count sees ZeRO-3's params.
 * ``zero3_walks``: ZeRO-3's optimizer step releases and checks every param over a kept
   parameter list instead of three walks of the module tree.
+* ``zero3_grad_norm``: ZeRO-3's optimizer step takes a param group's gradient norm over the span
+  of the gradient buffer its partitions cover, in one reduction instead of one per param.
 * ``checkpoint_recompute`` (optional module ``ds_z3native.compat.checkpoint_recompute``, its
   ``PATCHES``): eager ZeRO-3 with activation checkpointing of frozen params. Imported lazily; its
   absence is tolerated, an error while importing it is not.
@@ -78,6 +80,7 @@ PATCH_MODULES = (
     "ds_z3native.compat.gloo_collectives",
     "ds_z3native.compat.hf_trainer_loop",
     "ds_z3native.compat.zero3_walks",
+    "ds_z3native.compat.zero3_grad_norm",
 )
 OPTIONAL_MODULES = ("ds_z3native.compat.checkpoint_recompute",)
 

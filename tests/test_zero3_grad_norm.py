@@ -250,3 +250,32 @@ def test_training_with_clipping_loses_what_it_loses_without_the_patch() -> None:
         assert p["losses"] == pytest.approx(u["losses"], rel=1e-6)
         for name, values in u["params"].items():
             assert p["params"][name] == pytest.approx(values, rel=1e-6, abs=1e-7), name
+
+
+def test_a_long_span_is_handed_over_in_pieces_no_larger_than_the_largest_partition(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # DeepSpeed converts each gradient it is handed to the norm dtype (float64): the copy of one
+    # piece stays no larger than that of the loop's largest partition.
+    import types
+
+    import torch
+
+    from ds_z3native.compat import zero3_grad_norm
+
+    monkeypatch.setattr(zero3_grad_norm, "MIN_PIECE", 4)
+    handed: List[Any] = []
+
+    def deepspeeds(self: Any, gradients: Any, params: Any, norm_type: Any = 2) -> Any:
+        handed.append((list(gradients), list(params)))
+        return torch.stack([g.double().norm() for g in gradients]).pow(2).sum().sqrt()
+
+    flat = zero3_grad_norm._flat_norm(deepspeeds)
+    buf = torch.randn(27)
+    grads = [buf.narrow(0, 0, 3), buf.narrow(0, 3, 10), buf.narrow(0, 13, 4), buf.narrow(0, 17, 10)]
+    params = [types.SimpleNamespace(name=str(i)) for i in range(4)]
+    norm = flat(types.SimpleNamespace(model_parallel_rank=0), grads, params)
+    ((pieces, owners),) = handed
+    assert [p.numel() for p in pieces] == [10, 10, 7]
+    assert all(p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for p in pieces)
+    assert owners == [params[0]] * 3
+    assert float(norm) == pytest.approx(float(buf.double().norm()), rel=1e-12)

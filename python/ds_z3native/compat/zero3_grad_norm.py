@@ -10,8 +10,10 @@ The partitions it is handed are, as DeepSpeed lays them out for ZeRO-3 (eager an
 alike), consecutive views of one gradient buffer, in the group's order. Where they are (one
 storage, each contiguous, each starting where the one before ends, one dtype), the sum of their
 squared norms is the squared norm of the span they cover; :data:`ZERO3_FLAT_GRAD_NORM` hands
-DeepSpeed's own ``get_grad_norm_direct`` that span as a single gradient, with the group's first
-param as the param it belongs to. Everything else that function does (the norm dtype, the
+DeepSpeed's own ``get_grad_norm_direct`` that span as the gradients (one, or pieces no larger
+than the largest partition where the span is longer: DeepSpeed converts each to the norm dtype,
+and that copy stays no larger than the loop's largest), each with the group's first param as the
+param it belongs to. Everything else that function does (the norm dtype, the
 all-reduce over the params' partition group, the model-parallel and expert-parallel reductions,
 the -1 for an inf or NaN norm) stays DeepSpeed's, for the release that runs.
 
@@ -41,6 +43,10 @@ log = logging.getLogger(__name__)
 
 _COUNTS_LOCK = threading.Lock()
 _COUNTS: Dict[str, int] = {"flat": 0, "per_param": 0}
+
+# The span is handed over in pieces of at most max(MIN_PIECE, the largest partition's numel)
+# elements (float64 copies of 32 MiB at least).
+MIN_PIECE = 1 << 22
 
 # What DeepSpeed's loop reads of each param, beyond its gradient (absent attributes read as None).
 _PARAM_KEYS = ("ds_process_group", "ds_zero_placement_family", "ds_zero_partition_group_name")
@@ -104,12 +110,18 @@ def _flat_norm(get_grad_norm_direct: Callable) -> Callable:
             two = float(norm_type) == 2.0
         except (TypeError, ValueError):
             two = False
-        if (two and len(gradients) > 1 and len(gradients) == len(params)
+        if (two and isinstance(gradients, (list, tuple)) and isinstance(params, (list, tuple))
+                and len(gradients) > 1 and len(gradients) == len(params)
                 and getattr(self, "model_parallel_rank", 0) == 0 and _alike(params)):
             span = contiguous_span(gradients)
             if span is not None:
                 _count("flat")
-                return get_grad_norm_direct(self, [span], [params[0]], norm_type)
+                # In pieces no larger than the largest partition (or MIN_PIECE elements): DeepSpeed
+                # converts each gradient it is handed to the norm dtype, and the loop's largest
+                # such copy is its largest partition's.
+                piece = max(MIN_PIECE, max(g.numel() for g in gradients))
+                pieces = list(span.split(piece)) if span.numel() > piece else [span]
+                return get_grad_norm_direct(self, pieces, [params[0]] * len(pieces), norm_type)
         _count("per_param")
         return get_grad_norm_direct(self, gradients, params, norm_type)
 

@@ -511,6 +511,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         from ds_z3native.compat.deepcompile_reduce_group import reduce_group_stats
 
         result["reduce_group"] = reduce_group_stats()
+        from ds_z3native.compat.zero3_grad_norm import flat_norm_counts
+
+        result["flat_grad_norm"] = flat_norm_counts()
 
         gather = eager_gather_of(engine)
         result["eager_gather"] = None if gather is None else {

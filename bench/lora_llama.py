@@ -878,6 +878,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
             # A single cycle's graphs compiled before its choice, compiled again grouped.
             record["single_cycle_regroup"] = regroup_stats()
+            from ds_z3native.compat.deepcompile_reduce_group import reduce_group_stats
+
+            # Backward graphs whose gradients reach the reduction in groups.
+            record["reduce_group"] = reduce_group_stats()
             from ds_z3native.compat.deepcompile_warm_start import warm_start_stats
 
             # A run that compiled the re-plan's graphs at step 0 from the store (dc-warm).
@@ -886,6 +890,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             # Reduce-bucket memory at its most (bytes): sized to the trainable gradients.
             record["reduce_bucket_bytes"] = int(
                 ds_z3native.native().comm_stats().get("reduce_bucket_bytes", -1))
+    if record["fix"] == "ds_z3native.install()":
+        from ds_z3native.compat.zero3_grad_norm import flat_norm_counts
+
+        # The optimizer steps' gradient norms: over one span of the buffer, or DeepSpeed's loop.
+        record["flat_grad_norm"] = flat_norm_counts()
     record["step_ms"] = {"median": statistics.median(times), "min": min(times),
                          "max": max(times), "n": len(times), "all": times}
     tokens = args.micro_batch * args.seq * world_size

@@ -233,6 +233,9 @@ def test_params_kept_gathered_and_gradients_are_reached_by_one_call_per_group_an
     assert calls["ds_z3native::reduce_grads"] == 1 and "ds_z3native::reduce_grads" not in weak
     assert reduce["grads"] >= weak["dc::reduce_grad"]  # over every backward compile of the run
     assert ungrouped["reduce_group"]["graphs"] == 0
+    # The optimizer steps took each gradient norm over the buffer DeepCompile's backward fills:
+    # one span per step (one param group), never DeepSpeed's per-param loop.
+    assert grouped["flat_grad_norm"] == {"flat": STEPS, "per_param": 0}
 
 
 def _cached_env(tmp_path: Path) -> Tuple[Path, Dict[str, str]]:

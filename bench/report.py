@@ -54,8 +54,11 @@ BASELINES: Dict[str, Tuple[Tuple[str, ...], bool]] = {
 def _family(name: str) -> str:
     """The benchmark a result belongs to: ``lora_llama_ws2`` (the 2-GPU runs) and
     ``lora_llama_h100`` (runs on another kind of GPU) -> ``lora_llama``."""
-    for family in ORDER:
-        if name.startswith(family + "_") and family in BASELINES:
+    base, sep, ws = name.rpartition("_ws")
+    if sep and ws.isdigit():
+        return base
+    for family in BASELINES:
+        if name.startswith(family + "_"):
             return family
     return name
 

@@ -21,6 +21,9 @@ model type at that shape instead (``ds_z3native.models.build_lora_model``).
 ``--time-scheduler`` times DeepCompile's ZeRO-3 scheduler on each graph with ds_z3native's
 requirement walk and with DeepSpeed's own (made to follow keyword inputs too), and checks the two
 orders are the same (the result's ``scheduler``).
+``--ab-grad-norm`` measures the ``zero3-flat-grad-norm`` patch in one process: even steps take the
+optimizer's gradient norms through it, odd steps through DeepSpeed's own per-param loop, each norm
+call timed with the device synchronized around it (the result's ``grad_norm_ab``).
 ``--mode eager`` trains the same model without compile, with ZeRO stage ``--eager-stage``
 (default 0: the reference). One process, one device; sets the launcher environment (RANK=0,
 WORLD_SIZE=1, MASTER_ADDR, a free MASTER_PORT) unless already set. Without CUDA (or with
@@ -434,7 +437,10 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         # whose pass schedule keeps DeepSpeed's pass.
         _persist_all_when_chosen_early()
     step_times: List[float] = []
+    norm_ab = _GradNormAB(result, cpu) if args.ab_grad_norm else None
     for step in range(args.steps):
+        if norm_ab is not None:
+            norm_ab.per_param = step % 2 == 1
         if args.unfreeze_after is not None and step == args.unfreeze_after:
             engine.module.frozen.requires_grad_(True)
             result["unfrozen_at_step"] = step
@@ -479,6 +485,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     gc_clock.stop()
     result["gc_collections"] = gc_clock.record()
     result["step_ms_after_warmup"] = (1000 * sum(step_times[6:]) / max(1, len(step_times[6:])))
+    if norm_ab is not None:
+        norm_ab.finish(step_times)
     result["graph_breaks"] = int(sum(counters["graph_break"].values()))
     result["graph_break_reasons"] = sorted({k.splitlines()[0] for k in counters["graph_break"]})
     result["graph_break_fixes"] = getattr(engine, "_ds_z3native_graph_break_fixes", None)
@@ -528,6 +536,70 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=gathered):
             result["params"] = {n: p.detach().float().cpu().flatten().tolist() for n, p in params}
     result["requires_grad"] = {n: p.requires_grad for n, p in engine.module.named_parameters()}
+
+
+class _GradNormAB:
+    """``--ab-grad-norm``: even steps take ZeRO-3's gradient norms through the installed
+    ``zero3-flat-grad-norm`` patch, odd steps through DeepSpeed's own per-param loop (the function
+    the patch wraps), in one process on the same graphs. Each norm call is timed with the device
+    synchronized before and after it (host and device time of the norm alone); the first calls
+    also compute the other way's norm, untimed, to compare the two. ``finish`` writes
+    ``result["grad_norm_ab"]``: per way, the calls, their median and total milliseconds per step,
+    and the median step time of the steps after the 6th (the same synchronizations in both)."""
+
+    CHECKED_CALLS = 6
+
+    def __init__(self, result: Dict[str, Any], cpu: bool) -> None:
+        import torch
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+        patched = Stage3.__dict__["get_grad_norm_direct"]
+        original = getattr(patched, "__wrapped__", None)
+        if original is None:
+            raise RuntimeError("--ab-grad-norm: DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct "
+                               "is not wrapped (run with --native ours, without --skip-patch "
+                               "zero3-flat-grad-norm)")
+        self.result, self.per_param = result, False
+        self.calls: Dict[str, List[float]] = {"flat": [], "per_param": []}
+        self.steps: Dict[str, List[int]] = {"flat": [], "per_param": []}
+        self.diffs: List[float] = []
+        self.step = 0
+        sync = (lambda: None) if cpu else torch.cuda.synchronize
+        ab = self
+
+        def get_grad_norm_direct(this: Any, gradients: Any, params: Any, norm_type: Any = 2) -> Any:
+            way = "per_param" if ab.per_param else "flat"
+            fn, other = (original, patched) if ab.per_param else (patched, original)
+            sync()
+            began = time.perf_counter()
+            norm = fn(this, gradients, params, norm_type)
+            sync()
+            ab.calls[way].append(1000 * (time.perf_counter() - began))
+            if len(ab.diffs) < ab.CHECKED_CALLS:
+                theirs = float(other(this, gradients, params, norm_type))
+                ours = float(norm)
+                ab.diffs.append(abs(ours - theirs) / max(abs(theirs), 1e-30))
+            return norm
+
+        Stage3.get_grad_norm_direct = get_grad_norm_direct
+
+    def finish(self, step_times: List[float]) -> None:
+        import statistics
+
+        timed = [(i, t) for i, t in enumerate(step_times) if i >= 6]
+        out: Dict[str, Any] = {"max_rel_diff_checked": max(self.diffs, default=None),
+                               "checked_calls": len(self.diffs)}
+        for way, odd in (("flat", 0), ("per_param", 1)):
+            calls = self.calls[way]
+            steps = [1000 * t for i, t in timed if i % 2 == odd]
+            per_step = len(calls) / max(1, len([i for i in range(len(step_times)) if i % 2 == odd]))
+            out[way] = {
+                "calls": len(calls), "calls_per_step": per_step,
+                "norm_call_ms_median": statistics.median(calls) if calls else None,
+                "norm_ms_per_step": per_step * statistics.median(calls) if calls else None,
+                "step_ms_median": statistics.median(steps) if steps else None,
+                "timed_steps": len(steps)}
+        self.result["grad_norm_ab"] = out
 
 
 @contextlib.contextmanager
@@ -702,6 +774,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "DeepSpeed's own requirement walk (result: scheduler)")
     parser.add_argument("--count-ops", action="store_true",
                         help="profile the last step and record its dc / ds_z3native op calls")
+    parser.add_argument("--ab-grad-norm", action="store_true",
+                        help="with ds_z3native: even steps take the optimizer's gradient norms "
+                             "through the zero3-flat-grad-norm patch, odd steps through DeepSpeed's "
+                             "per-param loop, each norm call timed (result: grad_norm_ab)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)

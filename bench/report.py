@@ -227,7 +227,7 @@ _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "dc-ckpt-lean": "DeepCompile + ds_z3native, persistence and prefetch budgets 0",
               "dc-upstream": "DeepCompile, DeepSpeed's JIT op",
               "dc-ckpt-upstream": "DeepCompile, DeepSpeed's JIT op",
-              "dc-ckpt-single": "DeepCompile + ds_z3native, one profiling cycle "
+              "dc-ckpt-single": "DeepCompile + ds_z3native, single cycle "
                                 "(`set_single_cycle(True)`)"}
 
 
@@ -286,6 +286,14 @@ def _lora_keys(runs: Mapping[str, Mapping[str, Any]]) -> List[str]:
     return sorted(runs, key=order)
 
 
+def _zero_threshold(r: Mapping[str, Any]) -> str:
+    """``, ZeRO-3 persistence threshold N`` where the run's DeepSpeed config sets
+    ``stage3_param_persistence_threshold`` (else DeepSpeed's default: nothing to say)."""
+    config = (r.get("setup") or {}).get("deepspeed_config") or {}
+    threshold = (config.get("zero_optimization") or {}).get("stage3_param_persistence_threshold")
+    return "" if threshold is None else f", ZeRO-3 persistence threshold {threshold:,}"
+
+
 def _lora(result: Mapping[str, Any]) -> List[str]:
     runs = result["runs"]
     first = next((r for r in runs.values() if r.get("setup")), {})
@@ -327,8 +335,9 @@ def _lora(result: Mapping[str, Any]) -> List[str]:
              + (f"LoRA r={model['lora_r']}, " if model.get("lora_r") else "")
              + (f"micro-batch {s['micro_batch']} x {s['seq']} tokens, " if s.get("micro_batch")
                 and s.get("seq") else "")
-             + f"{s.get('dtype', '?')}, {s.get('world_size', '?')} GPU(s), "
-             + f"{s.get('device', '?')}; speedup: the same run's eager ZeRO-3 step time with the "
+             + f"{s.get('dtype', '?')}, {s.get('world_size', '?')} GPU(s)"
+             + "".join(sorted({_zero_threshold(r) for r in runs.values()} - {""}))
+             + f", {s.get('device', '?')}; speedup: the same run's eager ZeRO-3 step time with the "
                "same checkpointing over this one):")
     lines = [title, ""] + _table(["variant", "what", "checkpointing", "DeepSpeed",
                                   "ms/step (min–max)", "speedup", "tokens/s", "peak GiB",
@@ -657,7 +666,8 @@ def _summary_lora(result: Mapping[str, Any]) -> List[List[str]]:
         ckpt = (r.get("setup") or {}).get("checkpointing", "-")
         ws = (r.get("setup") or {}).get("world_size") or s.get("world_size")
         rows.append([
-            f"LoRA fine-tune step, {size}{ws} GPU{'' if ws == 1 else 's'}, checkpointing: {ckpt}",
+            f"LoRA fine-tune step, {size}{ws} GPU{'' if ws == 1 else 's'}, checkpointing: {ckpt}"
+            + _zero_threshold(r),
             f"`{variant}` ({_LORA_WHAT[variant]}): {_num(metric_value(r, 'step_ms'), '{:.1f}')} ms,"
             f" {_num(r.get('peak_gib'), '{:.2f}')} GiB",
             f"`{base}` ({_LORA_WHAT.get(base, '-')}): "
@@ -691,10 +701,10 @@ def _summary_plain(result: Mapping[str, Any], size: str) -> List[List[str]]:
     ws = (r.get("setup") or {}).get("world_size") or 1
     ckpt = (r.get("setup") or {}).get("checkpointing", "-")
     return [[f"LoRA fine-tune step against unsharded PyTorch, {size}{ws} GPU"
-             f"{'' if ws == 1 else 's'}, checkpointing: {ckpt}",
+             f"{'' if ws == 1 else 's'}, checkpointing: {ckpt}{_zero_threshold(r)}",
              f"`{variant}` ({_LORA_WHAT[variant]}): {_num(metric_value(r, 'step_ms'), '{:.1f}')} ms,"
              f" {_num(r.get('peak_gib'), '{:.2f}')} GiB",
-             f"`plain` ({_LORA_WHAT['plain']}, no checkpointing): "
+             "`plain` (PyTorch, no ZeRO, no checkpointing): "
              f"{_num(plain.get('baseline_ms'), '{:.1f}')} ms",
              f"{ratio:.2f}x the step time" + (f", peak {peak:.2f}x" if isinstance(peak, (int, float))
                                              else "") + _other_gpu(plain),
@@ -716,7 +726,7 @@ def _summary_trainer(result: Mapping[str, Any], size: str) -> List[List[str]]:
         ckpt = (r.get("setup") or {}).get("checkpointing", "-")
         rows.append([
             f"LoRA fine-tune step through HF Trainer, {size}{ws} GPU{'' if ws == 1 else 's'}, "
-            f"checkpointing: {ckpt}",
+            f"checkpointing: {ckpt}{_zero_threshold(r)}",
             f"`{variant}` ({_LORA_WHAT.get(variant, '-')}): "
             f"{_num(metric_value(r, 'step_ms'), '{:.1f}')} ms",
             f"`{own.get('variant', '?')}` (our own loop): "

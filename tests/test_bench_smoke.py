@@ -8,8 +8,11 @@ Timings are not asserted (CPU smoke numbers mean nothing); structure and counts 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
+import logging
 import os
 import re
 import subprocess
@@ -34,6 +37,31 @@ def _env() -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "DS_Z3NATIVE"}
     env["DS_ACCELERATOR"] = "cpu"
     return env
+
+
+def _bench(*argv: str) -> subprocess.CompletedProcess:
+    """``python -m bench *argv`` run in this process, in the environment of ``_env()``: its exit
+    code, stdout and stderr. The entry points' own ``main`` (``test_bench_help`` starts them as
+    processes); a plan or a refusal needs no process of its own, nor the seconds a loaded CI
+    machine takes to import torch and DeepSpeed again for each."""
+    from unittest import mock
+
+    from bench.core.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    handlers, level = list(logging.root.handlers), logging.root.level  # main() calls basicConfig
+    try:
+        with mock.patch.dict(os.environ, _env(), clear=True), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(argv))
+            except SystemExit as e:  # argparse's refusals
+                code = e.code if isinstance(e.code, int) else 2
+    finally:
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)
+    return subprocess.CompletedProcess(["python", "-m", "bench", *argv], code, out.getvalue(),
+                                       err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -538,8 +566,7 @@ def test_runs_on_another_kind_of_gpu_get_their_own_result_and_lora_table(tmp_pat
 
 
 def test_suite_runs_lora_on_two_gpus_under_torchrun() -> None:
-    r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--ranks", "2"],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    r = _bench("lora_llama", "--dry-run", "--ranks", "2")
     assert r.returncode == 0, r.stderr
     cmds = [ln for ln in r.stdout.splitlines() if "lora_llama.py" in ln]
     assert cmds and all("-m torch.distributed.run --nproc_per_node=2 --master_port=" in c
@@ -549,10 +576,8 @@ def test_suite_runs_lora_on_two_gpus_under_torchrun() -> None:
 
 
 def test_suite_passes_trace_to_each_lora_run_per_deepspeed(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--variants",
-                        "dc,dc-upstream", "--trace", str(tmp_path), "--deepspeed-path",
-                        "0.19.2=/nonexistent"],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    r = _bench("lora_llama", "--dry-run", "--variants", "dc,dc-upstream", "--trace", str(tmp_path),
+               "--deepspeed-path", "0.19.2=/nonexistent")
     assert r.returncode == 0, r.stderr
     cmds = [ln for ln in r.stdout.splitlines() if "lora_llama.py" in ln]
     assert len(cmds) == 2, r.stdout  # "ours" alone runs on the other DeepSpeed: none picked here
@@ -657,9 +682,7 @@ def test_some_lora_variants_rerun_into_the_existing_result(tmp_path: Path) -> No
 
 def test_dc_warm_compiles_from_the_cache_dc_filled_in_the_same_invocation() -> None:
     def plan() -> Dict[str, str]:
-        r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--variants",
-                            "none,dc-warm,dc,dc-upstream"], cwd=ROOT, env=_env(), capture_output=True,
-                           text=True, timeout=120)
+        r = _bench("lora_llama", "--dry-run", "--variants", "none,dc-warm,dc,dc-upstream")
         assert r.returncode == 0, r.stderr
         lines = [ln for ln in r.stdout.splitlines() if "--variant " in ln]
         return {ln.split("--variant ")[1].split()[0]: (
@@ -679,21 +702,17 @@ def test_dc_warm_compiles_from_the_cache_dc_filled_in_the_same_invocation() -> N
     assert first["dc"][1] == first["dc-warm"][1] is not None
     assert first["none"][1] is None and first["dc-upstream"][1] is None
     assert first["dc"] != second["dc"]  # every invocation starts cold
-    r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--variants",
-                        "dc-warm"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    r = _bench("lora_llama", "--dry-run", "--variants", "dc-warm")
     assert r.returncode == 2 and "pick dc as well" in r.stderr, r.stderr
 
 
 def test_suite_variants_pick_lora_runs_and_refuse_unknown_names() -> None:
-    r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--variants",
-                        "upstream,dc-ckpt-lean"], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=120)
+    r = _bench("lora_llama", "--dry-run", "--variants", "upstream,dc-ckpt-lean")
     assert r.returncode == 0, r.stderr
     picked = [ln.split("--variant ")[1].split()[0] for ln in r.stdout.splitlines() if "--variant " in ln]
     assert picked == ["upstream", "dc-ckpt-lean"]
     for argv in (["lora_llama", "--variants", "upstream,nope"], ["native_micro", "--variants", "ours"]):
-        r = subprocess.run([sys.executable, "-m", "bench", *argv, "--dry-run"], cwd=ROOT, env=_env(),
-                           capture_output=True, text=True, timeout=120)
+        r = _bench(*argv, "--dry-run")
         assert r.returncode == 2 and "--variants applies to a full lora_llama run" in r.stderr, r.stderr
 
 
@@ -870,8 +889,7 @@ SUMMARY_KEYS = {"layers", "metric", "cold_vs_deepspeed", "warm_vs_deepspeed",
 
 
 def _plan(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench", "compile_scaling", "--dry-run", *argv],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    return _bench("compile_scaling", "--dry-run", *argv)
 
 
 def _plan_runs(stdout: str) -> List[Dict[str, Any]]:
@@ -932,15 +950,13 @@ def test_compile_scaling_gpu_plan_runs_each_depth_cold_warm_and_deepspeeds_op() 
     assert sorted({x["layers"] for x in deep}) == [2, 4, 8, 16, 32] and len(deep) == 15
     r = _plan("--steps", "6")
     assert r.returncode == 2 and "at least 7" in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", "--layers", "4"],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    r = _bench("lora_llama", "--dry-run", "--layers", "4")
     assert r.returncode == 2 and "--layers applies to compile_scaling" in r.stderr, r.stderr
 
 
 def test_compile_scalings_deepspeed_variant_is_left_out_of_a_full_lora_run() -> None:
     def variants(*argv: str) -> List[str]:
-        r = subprocess.run([sys.executable, "-m", "bench", "lora_llama", "--dry-run", *argv],
-                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+        r = _bench("lora_llama", "--dry-run", *argv)
         assert r.returncode == 0, r.stderr
         return [ln.split("--variant ")[1].split()[0] for ln in r.stdout.splitlines()
                 if "--variant " in ln]

@@ -195,25 +195,42 @@ def test_hf_llama_lora_nonreentrant_checkpointing_trains_like_eager_zero3() -> N
           f"max |loss diff| {loss_diff:.2e}, max |LoRA param diff| {param_diff:.2e}")
 
 
+# Two ranks of a LoRA Llama with non-reentrant checkpointing, the last step's op calls counted.
+_LLAMA_KEPT = ["--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant",
+               "--count-ops"]
+
+
+@pytest.fixture(scope="module")
+def llama_kept_gathered(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path, Dict[str, Any]]:
+    """``_LLAMA_KEPT`` with every param kept gathered (``--persist-all``) and grouped, on two
+    ranks, with a fresh profile store and inductor cache (``_cached_env``): that folder as the
+    run left it, and the run's result. The grouping test compares it with an ungrouped run; the
+    warm-start test starts a second run from a copy of its store (``_copy_caches``)."""
+    root = tmp_path_factory.mktemp("llama-kept-gathered")
+    _, env = _cached_env(root)
+    runs = run_together({"cold": ([*_LLAMA_KEPT, "--persist-all"], STEPS)}, env=env,
+                        nprocs={"cold": 2})
+    return root, _ok(runs["cold"])
+
+
 @pytest.mark.deepspeed
 @needs_cpu_deepcompile
 def test_params_kept_gathered_and_gradients_are_reached_by_one_call_per_group_and_train_the_same(
-) -> None:
+        llama_kept_gathered: Tuple[Path, Dict[str, Any]]) -> None:
     # Two ranks (gloo), a LoRA Llama with non-reentrant checkpointing, every param kept gathered
     # from the re-plan on (--persist-all stands in for DeepCompile's memory policy, which keeps
     # nothing on a CPU). Grouped: each re-planned graph reaches them with one gather_persistent
     # call, the trainable LoRA params re-gathered in it after every optimizer step, and the
     # backward graph hands its gradients to the reduction in one reduce_grads call. Ungrouped:
     # DeepSpeed's three dc op calls per use and one reduce_grad call per gradient. The last
-    # step's op calls are counted.
-    common = ["--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant",
-              "--persist-all", "--count-ops"]
+    # step's op calls are counted. The grouped run is the fixture's (its empty profile store
+    # changes nothing before the re-plan writes a manifest; the single-cycle test's two-cycle
+    # run groups without a store).
     env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    runs = run_together({"grouped": (common, STEPS),
-                         "ungrouped": (common + ["--no-group-persistent", "--no-group-reduce"],
-                                       STEPS)},
-                        env=env, nprocs={"grouped": 2, "ungrouped": 2})
-    grouped, ungrouped = _ok(runs["grouped"]), _ok(runs["ungrouped"])
+    argv = [*_LLAMA_KEPT, "--persist-all", "--no-group-persistent", "--no-group-reduce"]
+    ungrouped = _ok(run_together({"ungrouped": (argv, STEPS)}, env=env,
+                                 nprocs={"ungrouped": 2})["ungrouped"])
+    grouped = llama_kept_gathered[1]
     _assert_same_training(grouped, ungrouped, rtol=1e-5, atol=1e-6)
     for rank in grouped["other_ranks"]:
         assert rank["losses"] == grouped["losses"]
@@ -250,9 +267,35 @@ def _manifests(store: Path) -> List[str]:
     return sorted(p.name.split("-")[0] + " " + p.name.split(".")[-2] for p in store.iterdir())
 
 
+@pytest.fixture(scope="module")
+def frozen_linear_cold(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path, Dict[str, Any]]:
+    """A first run of the frozen-linear model with a fresh profile store and inductor cache
+    (``_cached_env``): that folder as the run left it, and the run's result. Each test that
+    goes on from there copies the folder (``_copy_caches``): a cold compile costs a minute on a
+    loaded CI machine, and its result is only read."""
+    root = tmp_path_factory.mktemp("frozen-linear-cold")
+    _, env = _cached_env(root)
+    return root, _ok(run_alone("cold", ["--model", "frozen-linear"], STEPS, env=env))
+
+
+def _copy_caches(cold: Tuple[Path, Dict[str, Any]], tmp_path: Path
+                 ) -> Tuple[Path, Dict[str, str], Dict[str, Any]]:
+    """A module fixture's first run (its ``_cached_env`` folder, its result): the store and
+    inductor cache it left, copied into ``tmp_path``; the store, the environment of runs
+    sharing both, and the first run's result."""
+    import shutil
+
+    root, result = cold
+    for name in ("profiles", "inductor"):
+        shutil.copytree(root / name, tmp_path / name, symlinks=True)
+    store, env = _cached_env(tmp_path)
+    return store, env, result
+
+
 @pytest.mark.deepspeed
 @needs_cpu_deepcompile
-def test_a_second_run_is_compiled_from_the_fx_graph_cache_and_starts_warm(tmp_path: Path) -> None:
+def test_a_second_run_is_compiled_from_the_fx_graph_cache_and_starts_warm(
+        tmp_path: Path, frozen_linear_cold: Tuple[Path, Dict[str, Any]]) -> None:
     # DeepSpeed bakes id(gm.graph), a memory address, into every dc call of a graph, so
     # inductor's FX-graph cache missed on every graph, every run. With canonical graph ids the
     # step-6 re-plan, whose graphs the CPU leaves unchanged (DeepCompile's profile-driven passes
@@ -262,8 +305,7 @@ def test_a_second_run_is_compiled_from_the_fx_graph_cache_and_starts_warm(tmp_pa
     # marks them incomplete), so no profile is recorded or replayed here (the GPU side:
     # tests/gpu/test_profile_store_gpu.py). The store still gets the re-plan's manifest, and a
     # warm start compiles the re-plan's two graphs at step 0 and no first cycle.
-    store, env = _cached_env(tmp_path)
-    cold = _ok(run_alone("cold", ["--model", "frozen-linear"], STEPS, env=env))
+    store, env, cold = _copy_caches(frozen_linear_cold, tmp_path)  # the first run, cold
     listed = _manifests(store)
     again = _ok(run_alone("again", ["--model", "frozen-linear"], STEPS,
                           env={**env, WARM_START_ENV: "0"}))
@@ -295,13 +337,12 @@ def test_a_second_run_is_compiled_from_the_fx_graph_cache_and_starts_warm(tmp_pa
 @pytest.mark.deepspeed
 @needs_cpu_deepcompile
 def test_a_store_without_the_jobs_first_graph_compiles_and_re_plans_as_a_first_run(
-        tmp_path: Path) -> None:
+        tmp_path: Path, frozen_linear_cold: Tuple[Path, Dict[str, Any]]) -> None:
     # The store holds another job's re-plan: the warm start is tried (a manifest is there) and
     # dropped at the first profile, whose graph has none; the run compiles its first cycle and
     # re-plans at step 6 as without a store, and its own manifest then lets the next run start
-    # warm.
-    store, env = _cached_env(tmp_path)
-    _ok(run_alone("other", ["--model", "frozen-linear"], STEPS, env=env))
+    # warm. The other job: the frozen-linear model's first run.
+    store, env, _ = _copy_caches(frozen_linear_cold, tmp_path)
     first = _ok(run_alone("first", ["--model", "reuse3"], STEPS, env=env))
     second = _ok(run_alone("second", ["--model", "reuse3"], STEPS, env=env))
     print(f"\n[warm start] first {first['warm_start']} {first['compile_caches']}, second "
@@ -372,18 +413,14 @@ def test_a_single_cycle_compiles_each_graph_once_and_a_later_run_starts_warm_fro
 @pytest.mark.deepspeed
 @needs_cpu_deepcompile
 def test_a_warm_start_keeps_the_re_plans_params_gathered_in_one_call_per_graph(
-        tmp_path: Path) -> None:
-    # Two ranks (gloo), a LoRA Llama with non-reentrant checkpointing. The first run keeps every
-    # param gathered (--persist-all stands in for DeepCompile's memory policy, which keeps nothing
-    # on a CPU) and groups them at its re-plan; the second run is told nothing of that and gets
-    # it from the store's manifest: from step 0 its graphs reach the params with one
-    # gather_persistent call each, and it trains as the first.
-    store, env = _cached_env(tmp_path)
-    common = ["--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant",
-              "--count-ops"]
-    cold = _ok(run_together({"cold": (common + ["--persist-all"], STEPS)}, env=env,
-                            nprocs={"cold": 2})["cold"])
-    warm = _ok(run_together({"warm": (common, STEPS)}, env=env, nprocs={"warm": 2})["warm"])
+        tmp_path: Path, llama_kept_gathered: Tuple[Path, Dict[str, Any]]) -> None:
+    # Two ranks (gloo), a LoRA Llama with non-reentrant checkpointing. The first run (the
+    # fixture's) keeps every param gathered (--persist-all stands in for DeepCompile's memory
+    # policy, which keeps nothing on a CPU) and groups them at its re-plan; the second run is told
+    # nothing of that and gets it from the store's manifest: from step 0 its graphs reach the
+    # params with one gather_persistent call each, and it trains as the first.
+    store, env, cold = _copy_caches(llama_kept_gathered, tmp_path)
+    warm = _ok(run_together({"warm": (_LLAMA_KEPT, STEPS)}, env=env, nprocs={"warm": 2})["warm"])
     print(f"\n[warm start] cold {cold['persistent_group']} {cold['compile_caches']}; warm "
           f"{warm['warm_start']} {warm['persistent_group']} {warm['compile_caches']}; last step's "
           f"op calls: warm {warm['op_calls_last_step']}")

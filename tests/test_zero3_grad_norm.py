@@ -279,3 +279,55 @@ def test_a_long_span_is_handed_over_in_pieces_no_larger_than_the_largest_partiti
     assert all(p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for p in pieces)
     assert owners == [params[0]] * 3
     assert float(norm) == pytest.approx(float(buf.double().norm()), rel=1e-12)
+
+
+# ---- the benchmark's A/B of the patch in one process ----------------------------------------
+
+def _ab_run(tmp_path: Any, *argv: str) -> Dict[str, Any]:
+    """``bench/deepcompile_run.py --ab-grad-norm`` on eager ZeRO-3 (any release), the tiny Llama
+    LoRA on the CPU: its JSON result."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "ab.json"
+    env = {k: v for k, v in os.environ.items() if k != "DS_Z3NATIVE"}
+    env["DS_ACCELERATOR"] = "cpu"
+    r = subprocess.run([sys.executable, str(root / "bench" / "deepcompile_run.py"), "--mode",
+                        "eager", "--eager-stage", "3", "--model", "llama", "--size", "tiny",
+                        "--ab-grad-norm", *argv, "--json", str(out)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.deepspeed
+def test_the_benchmarks_ab_alternates_the_patch_and_deepspeeds_loop_step_by_step(
+        tmp_path: Any) -> None:
+    # How the patch's effect is measured on a GPU: even steps through the patch, odd steps
+    # through the function it wraps, every call timed, the first ones checked against the other.
+    steps = 8
+    result = _ab_run(tmp_path, "--steps", str(steps))
+    assert "error" not in result, result.get("traceback")
+    ab = result["grad_norm_ab"]
+    # One norm call per step (one param group), each way on its own steps.
+    assert ab["flat"]["calls"] == ab["per_param"]["calls"] == steps // 2
+    assert ab["flat"]["calls_per_step"] == ab["per_param"]["calls_per_step"] == 1.0
+    for way in ("flat", "per_param"):
+        assert ab[way]["norm_call_ms_median"] > 0 and ab[way]["timed_steps"] == 1
+    # The two ways agree where both were taken (the first calls), to float64 rounding.
+    assert ab["checked_calls"] == 6 and ab["max_rel_diff_checked"] < 1e-12
+    # The per-param steps really took DeepSpeed's loop: the patch saw its own steps (4) and the
+    # checks of the first three per-param steps (3), never a step of DeepSpeed's loop.
+    assert result["flat_grad_norm"] == {"flat": steps // 2 + 3, "per_param": 0}
+    assert len(result["losses"]) == steps
+
+
+@pytest.mark.deepspeed
+def test_the_benchmarks_ab_refuses_to_run_without_the_patch(tmp_path: Any) -> None:
+    result = _ab_run(tmp_path, "--steps", "2", "--skip-patch", "zero3-flat-grad-norm")
+    assert "--ab-grad-norm" in result["error"] and "zero3-flat-grad-norm" in result["error"]
+    assert result["losses"] == []

@@ -455,8 +455,11 @@ void Runtime::reduceGrad(int64_t graph_id, int64_t ds_id, const at::Tensor& grad
     GraphExecutor& ex = executor(graph_id, op);
     ParamEntry& p = member(ex, ds_id, op);
     if (profiling_) { return; }  // the profiler runs the graph without reducing
-    GradReducer::requireReducible(p, op);
-    GradReducer::requireGradient(p, grad, op);  // also before ZeRO-1 keeps it for later
+    if (ex.stage() == ZeroStage::Z1) {
+        // ZeRO-1 keeps the gradient for later: checked now (the reducer checks what it is given).
+        GradReducer::requireReducible(p, op);
+        GradReducer::requireGradient(p, grad, op);
+    }
     if (config_.sync_before_reduce) { device_->synchronizeDevice(); }
     if (ex.stage() == ZeroStage::Z1) {
         // ZeRO-1 reduces once per accumulation window, the local sum of its gradients.
@@ -481,9 +484,13 @@ void Runtime::reduceGrads(int64_t graph_id, const std::vector<int64_t>& ds_ids,
     params.reserve(ds_ids.size());
     for (int64_t ds_id : ds_ids) { params.push_back(&member(ex, ds_id, op)); }
     if (profiling_) { return; }  // the profiler runs the graph without reducing
-    for (size_t i = 0; i < params.size(); ++i) {
-        GradReducer::requireReducible(*params[i], op);
-        GradReducer::requireGradient(*params[i], grads[i], op);
+    if (ex.stage() == ZeroStage::Z1) {
+        // Every gradient checked before the first is kept (the reducer checks the group it is
+        // given before it copies any).
+        for (size_t i = 0; i < params.size(); ++i) {
+            GradReducer::requireReducible(*params[i], op);
+            GradReducer::requireGradient(*params[i], grads[i], op);
+        }
     }
     if (config_.sync_before_reduce) { device_->synchronizeDevice(); }
     if (ex.stage() == ZeroStage::Z1) {

@@ -1440,3 +1440,37 @@ def test_persistent_group_table_and_summary_compare_with_the_same_runs_ungrouped
     del result["runs"]["dc-ckpt-ungrouped@0.19.8"]
     (tmp_path / "persistent_group.json").write_text(json.dumps(result))
     assert "params kept gathered" not in report.render_summary(report.load_results(tmp_path))
+
+
+def test_a_dry_run_leaves_no_temporary_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    # A plan names folders under a new temporary work folder; printing it leaves none behind
+    # (a real run's folder, with its logs, stays). --work-dir given: the caller's, left as it is.
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    for argv in (["compile_scaling", "--layers", "2,4"], ["lora_llama", "--variants", "dc,dc-warm"],
+                 ["all"]):
+        r = _bench(*argv, "--dry-run")
+        assert r.returncode == 0, r.stderr
+        assert "bench-" in r.stdout or "python" in r.stdout  # a plan was printed
+        assert list((tmp_path / "tmp").iterdir()) == [], argv
+    mine = tmp_path / "mine"
+    r = _bench("compile_scaling", "--layers", "2", "--dry-run", "--work-dir", str(mine))
+    assert r.returncode == 0 and str(mine) in r.stdout, r.stdout
+
+
+def test_remove_if_empty_keeps_a_folder_with_a_file(tmp_path: Path) -> None:
+    from bench.core.cli import _remove_if_empty
+
+    (tmp_path / "a" / "b" / "c").mkdir(parents=True)
+    (tmp_path / "a" / "d").mkdir()
+    _remove_if_empty(tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "e" / "f").mkdir(parents=True)
+    (tmp_path / "e" / "f" / "log.txt").write_text("kept")
+    _remove_if_empty(tmp_path / "e")
+    assert (tmp_path / "e" / "f" / "log.txt").read_text() == "kept"
+    _remove_if_empty(None)
+    _remove_if_empty(tmp_path / "missing")

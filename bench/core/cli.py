@@ -122,6 +122,17 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     return p
 
 
+def _remove_if_empty(root: Optional[Path]) -> None:
+    """Remove ``root`` and the folders under it where none holds a file (a dry run's work folder,
+    made while planning); a folder with anything in it stays as it is."""
+    if root is None or not root.is_dir() or any(p.is_file() or p.is_symlink()
+                                                for p in root.rglob("*")):
+        return
+    for folder in sorted((p for p in root.rglob("*")), key=lambda p: len(p.parts), reverse=True):
+        folder.rmdir()
+    root.rmdir()
+
+
 def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int:
     """The suite's CLI; exit code 0 when every run benchmark wrote its JSON."""
     args = build_parser(prog).parse_args(argv)
@@ -177,16 +188,23 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m bench") -> int
             return 2
         ctx.run_id = args.run.strip()
     if args.dry_run:
-        for name in names:
-            for run_ctx in contexts_for(benches[name], ctx):
-                try:
-                    cmds = benches[name].commands(run_ctx)
-                except ValueError as e:  # a plan the arguments cannot make
-                    print(str(e), file=sys.stderr)
-                    return 2
-                print(f"# {name}" + (f" ({run_ctx.ranks} ranks)" if run_ctx.ranks else ""))
-                for cmd in cmds:
-                    print(cmd.shell())
+        planned: List[BenchContext] = []
+        try:
+            for name in names:
+                for run_ctx in contexts_for(benches[name], ctx):
+                    planned.append(run_ctx)
+                    try:
+                        cmds = benches[name].commands(run_ctx)
+                    except ValueError as e:  # a plan the arguments cannot make
+                        print(str(e), file=sys.stderr)
+                        return 2
+                    print(f"# {name}" + (f" ({run_ctx.ranks} ranks)" if run_ctx.ranks else ""))
+                    for cmd in cmds:
+                        print(cmd.shell())
+        finally:
+            if args.work_dir is None:  # a plan leaves no empty temporary folder behind
+                for run_ctx in planned:
+                    _remove_if_empty(run_ctx.work_root)
         return 0
     code = 0
     for name in names:

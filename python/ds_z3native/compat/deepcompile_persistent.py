@@ -36,6 +36,7 @@ from packaging.version import Version
 
 from .. import settings
 from . import Patch, Undo
+from ._fx import is_call
 from ._rebind import when_module_imported
 from .deepcompile_schedule import wrap_launch_compile_passes
 from .inductor_fallback import register_fallback_lowering
@@ -89,10 +90,6 @@ def gather_persistent_op() -> Any:
     return torch.ops.ds_z3native.gather_persistent.default
 
 
-def _is(node: Any, target: Any) -> bool:
-    return node.op == "call_function" and node.target == target
-
-
 def _gather_dtype(node: Any) -> Any:
     """The ``dtype`` argument of an ``allgather_param`` node (None: the shard's dtype)."""
     return node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")
@@ -135,7 +132,7 @@ def group_persistent_gathers(gm: Any, graph_id: int, graph_order: Any, profiling
     graph = gm.graph
     gathers: Dict[int, List[Any]] = {}
     for node in graph.nodes:
-        if _is(node, dc.allgather_param.default):
+        if is_call(node, dc.allgather_param.default):
             gathers.setdefault(int(node.args[2]), []).append(node)
     chosen: List[Tuple[int, Any, Any]] = []  # ds_id, param input, dtype
     for ds_id, nodes in gathers.items():
@@ -161,7 +158,7 @@ def group_persistent_gathers(gm: Any, graph_id: int, graph_order: Any, profiling
         return None
     register_fallback_lowering(gather_persistent_op(), never_reuse_inputs=False)
     chosen_ids = {ds_id for ds_id, _, _ in chosen}
-    first = next(n for n in graph.nodes if _is(n, dc.allgather_param.default)
+    first = next(n for n in graph.nodes if is_call(n, dc.allgather_param.default)
                  and int(n.args[2]) in chosen_ids)
     ids = [ds_id for ds_id, _, _ in chosen]
     dtypes = [dtype for _, _, dtype in chosen]
@@ -183,12 +180,12 @@ def group_persistent_gathers(gm: Any, graph_id: int, graph_order: Any, profiling
             graph.erase_node(gather)
             removed += 1
     for node in list(graph.nodes):
-        if (_is(node, dc.wait_allgather.default) or _is(node, dc.release_param.default)) \
+        if (is_call(node, dc.wait_allgather.default) or is_call(node, dc.release_param.default)) \
                 and int(node.args[2]) in chosen_ids:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             removed += 1
-        elif _is(node, dc.prefetch_params_fused.default) and set(node.args[2]) & chosen_ids:
+        elif is_call(node, dc.prefetch_params_fused.default) and set(node.args[2]) & chosen_ids:
             keep = [i for i, ds_id in enumerate(node.args[2]) if ds_id not in chosen_ids]
             if not keep:
                 graph.erase_node(node)

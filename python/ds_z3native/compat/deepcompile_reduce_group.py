@@ -31,6 +31,7 @@ from packaging.version import Version
 
 from .. import settings
 from . import Patch, Undo
+from ._fx import is_call
 from .deepcompile_graph_ids import wrap_patch_compiler
 from .inductor_fallback import register_fallback_lowering
 
@@ -60,10 +61,6 @@ def reduce_grads_op() -> Any:
 
     _native.load()
     return torch.ops.ds_z3native.reduce_grads.default
-
-
-def _is(node: Any, target: Any) -> bool:
-    return node.op == "call_function" and node.target == target
 
 
 def _grad_bytes(node: Any) -> Optional[int]:
@@ -107,7 +104,7 @@ def _groups(nodes: List[Any], groupable: Callable[[Any], bool], max_grads: int,
 def _only_ended(node: Any, end_backward: Any) -> bool:
     """Whether ``node``'s value is used only by ``end_backward`` (its dependency list) or the
     graph's output: nothing between it and the group's call reads it."""
-    return all(user.op == "output" or _is(user, end_backward) for user in node.users)
+    return all(user.op == "output" or is_call(user, end_backward) for user in node.users)
 
 
 def group_reduce_grads(gm: Any, max_grads: int = MAX_GRADS, max_bytes: int = MAX_BYTES) -> int:
@@ -120,7 +117,7 @@ def group_reduce_grads(gm: Any, max_grads: int = MAX_GRADS, max_bytes: int = MAX
     dc = torch.ops.dc
     graph = gm.graph
     reduce_grad, end_backward = dc.reduce_grad.default, dc.end_backward.default
-    nodes = [n for n in graph.nodes if _is(n, reduce_grad)]
+    nodes = [n for n in graph.nodes if is_call(n, reduce_grad)]
     if len(nodes) < 2:
         return 0
 
@@ -151,7 +148,7 @@ def group_reduce_grads(gm: Any, max_grads: int = MAX_GRADS, max_bytes: int = MAX
         return 0
     # end_backward's dependency list names each group once.
     for node in graph.nodes:
-        if _is(node, end_backward) and isinstance(node.args[0], (list, tuple)):
+        if is_call(node, end_backward) and isinstance(node.args[0], (list, tuple)):
             deps: List[Any] = []
             for dep in node.args[0]:
                 if not (isinstance(dep, torch.fx.Node) and dep in deps):

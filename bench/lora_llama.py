@@ -31,6 +31,9 @@ whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
   ``wait_allgather`` and ``release_param`` call per use (run only when named);
 * ``dc-ckpt-single``: ``dc-ckpt`` with ``ds_z3native.set_single_cycle(True)``: one profiling
   cycle, the re-plan's passes at the first step and no re-plan at step 6 (run only when named);
+* ``dc-ckpt-single-reduce-each``: ``dc-ckpt-single`` with ``ds_z3native.set_group_reduce(False)``:
+  the backward graph hands each gradient to the reduction in its own ``reduce_grad`` call, as
+  DeepSpeed's graphs do (run only when named; against ``dc-ckpt-single``, the grouped reduce alone);
 * ``dc-upstream``: DeepCompile ZeRO-3 with DeepSpeed's own op (JIT-built), no checkpointing;
 * ``dc-ckpt-upstream``: ``dc-ckpt``'s setup (non-reentrant checkpointing) with DeepSpeed's own op
   and without ds_z3native; run only when named (``--variants``), not by a full ``lora_llama`` run.
@@ -118,23 +121,26 @@ log = logging.getLogger("bench.lora_llama")
 
 VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-warm", "dc-ckpt",
             "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream", "trainer-dc-ckpt",
-            "dc-ckpt-upstream", "dc-ckpt-ungrouped", "dc-ckpt-single")
+            "dc-ckpt-upstream", "dc-ckpt-ungrouped", "dc-ckpt-single",
+            "dc-ckpt-single-reduce-each")
 CHECKPOINTING = {"plain": "none", "none": "none", "upstream": "non-reentrant",
                  "ours": "non-reentrant", "reentrant": "reentrant", "dc": "none", "dc-warm": "none",
                  "dc-ckpt": "non-reentrant", "dc-ckpt-lowmem": "non-reentrant",
                  "dc-ckpt-lean": "non-reentrant",
                  "dc-upstream": "none", "trainer-dc-ckpt": "non-reentrant",
                  "dc-ckpt-upstream": "non-reentrant", "dc-ckpt-ungrouped": "non-reentrant",
-                 "dc-ckpt-single": "non-reentrant"}
+                 "dc-ckpt-single": "non-reentrant", "dc-ckpt-single-reduce-each": "non-reentrant"}
 DEEPCOMPILE = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream",
-               "trainer-dc-ckpt", "dc-ckpt-upstream", "dc-ckpt-ungrouped", "dc-ckpt-single")
+               "trainer-dc-ckpt", "dc-ckpt-upstream", "dc-ckpt-ungrouped", "dc-ckpt-single",
+               "dc-ckpt-single-reduce-each")
 # DeepCompile with DeepSpeed's own op (no ds_z3native).
 UPSTREAM_DC = ("dc-upstream", "dc-ckpt-upstream")
 # Variants a full lora_llama run leaves out: they run when named (``--variants``) or by another
 # benchmark (``compile_scaling``).
-OPT_IN = ("dc-ckpt-upstream", "dc-ckpt-ungrouped", "dc-ckpt-single")
+OPT_IN = ("dc-ckpt-upstream", "dc-ckpt-ungrouped", "dc-ckpt-single",
+          "dc-ckpt-single-reduce-each")
 OURS_DC = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "trainer-dc-ckpt",
-           "dc-ckpt-ungrouped", "dc-ckpt-single")
+           "dc-ckpt-ungrouped", "dc-ckpt-single", "dc-ckpt-single-reduce-each")
 # Variants HF Trainer drives (it enables checkpointing itself, from its arguments), each with the
 # variant of our own loop it repeats: merge gives it the ratio of its step time to that one's.
 TRAINER = {"trainer-dc-ckpt": "dc-ckpt"}
@@ -738,8 +744,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             ds_z3native.set_prefetch_budget(0)
         if variant == "dc-ckpt-ungrouped":
             ds_z3native.set_group_persistent(False)
-        if variant == "dc-ckpt-single":  # one profiling cycle: no re-plan at step 6
-            ds_z3native.set_single_cycle(True)
+        if variant in ("dc-ckpt-single", "dc-ckpt-single-reduce-each"):
+            ds_z3native.set_single_cycle(True)  # one profiling cycle: no re-plan at step 6
+        if variant == "dc-ckpt-single-reduce-each":
+            ds_z3native.set_group_reduce(False)
     import deepspeed
 
     if on_gpu:
@@ -809,7 +817,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "persistence_budget_mb": 0 if variant in ("dc-ckpt-lowmem", "dc-ckpt-lean") else None,
         "prefetch_budget_mb": 0 if variant == "dc-ckpt-lean" else None,
         "group_persistent": variant != "dc-ckpt-ungrouped" if variant in OURS_DC else None,
-        "single_cycle": variant == "dc-ckpt-single" if variant in OURS_DC else None,
+        "single_cycle": (variant in ("dc-ckpt-single", "dc-ckpt-single-reduce-each")
+                         if variant in OURS_DC else None),
+        "group_reduce": variant != "dc-ckpt-single-reduce-each" if variant in OURS_DC else None,
         "zero": None if variant == "plain" else 3,
         "deepspeed_config": None if variant == "plain" else config,
         "loop": "transformers.Trainer" if variant in TRAINER else "own",

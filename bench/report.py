@@ -215,7 +215,7 @@ def _native_micro(result: Mapping[str, Any]) -> List[str]:
 
 _LORA_ORDER = ("plain", "none", "upstream", "reentrant", "ours", "dc", "dc-warm", "dc-ckpt",
                "trainer-dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream",
-               "dc-ckpt-upstream", "dc-ckpt-single")
+               "dc-ckpt-upstream", "dc-ckpt-single", "dc-ckpt-single-reduce-each")
 _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "upstream": "eager ZeRO-3, DeepSpeed's own", "reentrant": "eager ZeRO-3",
               "ours": "eager ZeRO-3 + ds_z3native holds", "dc": "DeepCompile + ds_z3native",
@@ -228,7 +228,10 @@ _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "dc-upstream": "DeepCompile, DeepSpeed's JIT op",
               "dc-ckpt-upstream": "DeepCompile, DeepSpeed's JIT op",
               "dc-ckpt-single": "DeepCompile + ds_z3native, single cycle "
-                                "(`set_single_cycle(True)`)"}
+                                "(`set_single_cycle(True)`)",
+              "dc-ckpt-single-reduce-each": "DeepCompile + ds_z3native, single cycle, a "
+                                            "reduce_grad call per gradient "
+                                            "(`set_group_reduce(False)`)"}
 
 
 def _lora_speedup(r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> Optional[str]:

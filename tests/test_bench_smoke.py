@@ -1474,3 +1474,22 @@ def test_remove_if_empty_keeps_a_folder_with_a_file(tmp_path: Path) -> None:
     assert (tmp_path / "e" / "f" / "log.txt").read_text() == "kept"
     _remove_if_empty(None)
     _remove_if_empty(tmp_path / "missing")
+
+
+def test_the_grouped_reduce_alone_is_a_lora_pair_run_only_when_named() -> None:
+    # dc-ckpt-single-reduce-each is dc-ckpt-single with set_group_reduce(False): the two in one
+    # invocation measure the grouped reduce alone. A full run leaves it out.
+    sys.path.insert(0, str(ROOT / "bench"))
+    from lora_llama import CHECKPOINTING, DEEPCOMPILE, OPT_IN, OURS_DC
+
+    name = "dc-ckpt-single-reduce-each"
+    assert name in OPT_IN and name in OURS_DC and name in DEEPCOMPILE
+    assert CHECKPOINTING[name] == CHECKPOINTING["dc-ckpt-single"] == "non-reentrant"
+    assert name in report._LORA_WHAT and name in report._LORA_ORDER
+    r = _bench("lora_llama", "--dry-run", "--variants", f"dc-ckpt-single,{name}")
+    assert r.returncode == 0, r.stderr
+    picked = [ln.split("--variant ")[1].split()[0] for ln in r.stdout.splitlines()
+              if "--variant " in ln]
+    assert picked == ["dc-ckpt-single", name]
+    full = _bench("lora_llama", "--dry-run")
+    assert full.returncode == 0 and f"--variant {name} " not in full.stdout + " "

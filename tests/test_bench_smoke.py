@@ -565,6 +565,45 @@ def test_runs_on_another_kind_of_gpu_get_their_own_result_and_lora_table(tmp_pat
     assert any("0.80x `plain`'s" in r for r in rows) and any("1.00x `plain`'s" in r for r in rows)
 
 
+
+def test_a_set_persistence_threshold_is_named_in_the_lora_table_and_summary(tmp_path: Path
+                                                                            ) -> None:
+    # The same job at another stage3_param_persistence_threshold is a result of its own; its
+    # table heading and README row say which threshold, where DeepSpeed's default says nothing.
+    from bench.lora_llama import merge
+
+    def record(variant: str, median: float, threshold: Optional[int]) -> Path:
+        zero: Dict[str, Any] = {"stage": 3}
+        if threshold is not None:
+            zero["stage3_param_persistence_threshold"] = threshold
+        path = tmp_path / f"{variant}-{threshold}.json"
+        path.write_text(json.dumps({
+            "variant": variant, "versions": {"deepspeed": "0.19.8"}, "peak_gib": 5.0,
+            "run": "r", "step_ms": {"median": median, "min": median, "max": median},
+            "setup": {"size": "1b", "world_size": 1, "seq": 1024, "micro_batch": 4,
+                      "device": "NVIDIA H100 80GB HBM3", "checkpointing": "non-reentrant",
+                      "deepcompile": variant.startswith("dc"),
+                      "deepspeed_config": None if variant == "plain" else {
+                          "zero_optimization": zero}}}))
+        return path
+
+    results = tmp_path / "results"
+    merge([record("plain", 100.0, None), record("dc-ckpt-single", 80.0, None)],
+          results / "lora_llama_h100.json")
+    merge([record("plain", 100.0, None), record("dc-ckpt-single", 70.0, 20480)],
+          results / "lora_llama_h100_persist20k.json")
+    loaded = report.load_results(results)
+    titles = [ln for ln in report.render_block(loaded).splitlines()
+              if ln.startswith("**LoRA fine-tune step**")]
+    assert len(titles) == 2
+    assert sum("ZeRO-3 persistence threshold 20,480" in t for t in titles) == 1
+    assert all(", , " not in t for t in titles)
+    rows = [ln for ln in report.render_summary(loaded).splitlines()
+            if "against unsharded PyTorch" in ln]
+    assert len(rows) == 2
+    (named,) = [r for r in rows if "persistence threshold 20,480" in r]
+    assert "70.0 ms" in named and "0.70x the step time" in named
+
 def test_suite_runs_lora_on_two_gpus_under_torchrun() -> None:
     r = _bench("lora_llama", "--dry-run", "--ranks", "2")
     assert r.returncode == 0, r.stderr

@@ -294,7 +294,10 @@ def _zero_threshold(r: Mapping[str, Any]) -> str:
     ``stage3_param_persistence_threshold`` (else DeepSpeed's default: nothing to say)."""
     config = (r.get("setup") or {}).get("deepspeed_config") or {}
     threshold = (config.get("zero_optimization") or {}).get("stage3_param_persistence_threshold")
-    return "" if threshold is None else f", ZeRO-3 persistence threshold {threshold:,}"
+    if threshold is None:
+        return ""
+    shown = f"{threshold:,}" if isinstance(threshold, int) else str(threshold)  # e.g. "auto"
+    return f", ZeRO-3 persistence threshold {shown}"
 
 
 def _lora(result: Mapping[str, Any]) -> List[str]:

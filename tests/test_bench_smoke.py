@@ -603,6 +603,9 @@ def test_a_set_persistence_threshold_is_named_in_the_lora_table_and_summary(tmp_
     assert len(rows) == 2
     (named,) = [r for r in rows if "persistence threshold 20,480" in r]
     assert "70.0 ms" in named and "0.70x the step time" in named
+    # A threshold left to HF Trainer's "auto" in a recorded config is named as it stands.
+    assert report._zero_threshold({"setup": {"deepspeed_config": {"zero_optimization": {
+        "stage3_param_persistence_threshold": "auto"}}}}) == ", ZeRO-3 persistence threshold auto"
 
 def test_suite_runs_lora_on_two_gpus_under_torchrun() -> None:
     r = _bench("lora_llama", "--dry-run", "--ranks", "2")

@@ -561,9 +561,7 @@ class _GradNormAB:
                                "zero3-flat-grad-norm)")
         self.result, self.per_param = result, False
         self.calls: Dict[str, List[float]] = {"flat": [], "per_param": []}
-        self.steps: Dict[str, List[int]] = {"flat": [], "per_param": []}
         self.diffs: List[float] = []
-        self.step = 0
         sync = (lambda: None) if cpu else torch.cuda.synchronize
         ab = self
 
@@ -592,7 +590,7 @@ class _GradNormAB:
         for way, odd in (("flat", 0), ("per_param", 1)):
             calls = self.calls[way]
             steps = [1000 * t for i, t in timed if i % 2 == odd]
-            per_step = len(calls) / max(1, len([i for i in range(len(step_times)) if i % 2 == odd]))
+            per_step = len(calls) / max(1, len(range(odd, len(step_times), 2)))
             out[way] = {
                 "calls": len(calls), "calls_per_step": per_step,
                 "norm_call_ms_median": statistics.median(calls) if calls else None,

@@ -144,6 +144,8 @@ OURS_DC = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "traine
 # Variants HF Trainer drives (it enables checkpointing itself, from its arguments), each with the
 # variant of our own loop it repeats: merge gives it the ratio of its step time to that one's.
 TRAINER = {"trainer-dc-ckpt": "dc-ckpt"}
+# Variants with ds_z3native.set_single_cycle(True).
+SINGLE_CYCLE = ("dc-ckpt-single", "dc-ckpt-single-reduce-each")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
 SIZES: Dict[str, Dict[str, int]] = {
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -744,7 +746,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             ds_z3native.set_prefetch_budget(0)
         if variant == "dc-ckpt-ungrouped":
             ds_z3native.set_group_persistent(False)
-        if variant in ("dc-ckpt-single", "dc-ckpt-single-reduce-each"):
+        if variant in SINGLE_CYCLE:
             ds_z3native.set_single_cycle(True)  # one profiling cycle: no re-plan at step 6
         if variant == "dc-ckpt-single-reduce-each":
             ds_z3native.set_group_reduce(False)
@@ -817,8 +819,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "persistence_budget_mb": 0 if variant in ("dc-ckpt-lowmem", "dc-ckpt-lean") else None,
         "prefetch_budget_mb": 0 if variant == "dc-ckpt-lean" else None,
         "group_persistent": variant != "dc-ckpt-ungrouped" if variant in OURS_DC else None,
-        "single_cycle": (variant in ("dc-ckpt-single", "dc-ckpt-single-reduce-each")
-                         if variant in OURS_DC else None),
+        "single_cycle": variant in SINGLE_CYCLE if variant in OURS_DC else None,
         "group_reduce": variant != "dc-ckpt-single-reduce-each" if variant in OURS_DC else None,
         "zero": None if variant == "plain" else 3,
         "deepspeed_config": None if variant == "plain" else config,

@@ -152,7 +152,7 @@ class BuildExt(cpp_extension.BuildExtension):
         else:
             print(PLAN.message, file=sys.stderr, flush=True)
         print(f"ds_z3native: building ds_z3native._C ({PLAN.flavour.upper()} flavour, "
-              f"{os.environ.get('MAX_JOBS')} jobs); this takes a few minutes (about 6 on 2 cores)",
+              f"{os.environ.get('MAX_JOBS')} jobs); this takes a few minutes (2 to 6 on 2 cores)",
               file=sys.stderr, flush=True)
         super().build_extensions()
 

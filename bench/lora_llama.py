@@ -191,6 +191,10 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--take-turns", type=_turns_arg, default=None, metavar="DIR:N",
                    help="one of N processes started together: compile alongside the others, "
                         "then run the timed steps one process at a time (lock in DIR)")
+    p.add_argument("--remark", default=None, metavar="TEXT",
+                   help="what sets this run apart from others of its variant and label that the "
+                        "setup does not say (another build of ds_z3native, say); kept in the "
+                        "record's ``remark``")
     p.add_argument("--output", type=Path, required=True, help="JSON file to write")
     args = p.parse_args(argv)
     if args.trace is not None and args.variant in TRAINER:
@@ -775,6 +779,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     record: Dict[str, Any] = {"bench": "lora_llama", "variant": variant, "versions": _versions(),
                               "run": args.run}
+    if args.remark:
+        record["remark"] = args.remark
     if op_load_s is not None:
         record["upstream_op_load_s"] = op_load_s  # not in any compile time below
     fix_mode = None

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
+from helpers.env import without_autoload
 from ds_z3native.settings import PROFILE_STORE_ENV, SINGLE_CYCLE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +35,7 @@ VERSION_KEYS = {"torch", "deepspeed", "transformers", "peft", "ds_z3native", "cu
 
 
 def _env() -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "DS_Z3NATIVE"}
-    env["DS_ACCELERATOR"] = "cpu"
-    return env
+    return without_autoload(DS_ACCELERATOR="cpu")
 
 
 def _bench(*argv: str) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ from typing import Dict
 
 import pytest
 
+from helpers.env import without_autoload
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # bench/ is a folder of the checkout, not an installed package
 
@@ -22,9 +23,7 @@ from bench.lora_llama import Turns, _parse  # noqa: E402
 
 
 def _env() -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "DS_Z3NATIVE"}
-    env["DS_ACCELERATOR"] = "cpu"
-    return env
+    return without_autoload(DS_ACCELERATOR="cpu")
 
 
 def test_two_runs_take_turns_for_their_timed_steps(tmp_path: Path) -> None:

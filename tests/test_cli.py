@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+from helpers.env import without_autoload
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "DS_Z3NATIVE"}
-    return subprocess.run([sys.executable, "-m", "ds_z3native", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "ds_z3native", *args], cwd=ROOT,
+                          env=without_autoload(),
                           capture_output=True, text=True, timeout=120)
 
 

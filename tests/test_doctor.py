@@ -20,15 +20,14 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 from helpers.venv_site import see_outer_site, venv_site
+from helpers.env import without_autoload
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240
 
 
 def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "DS_Z3NATIVE"}
-    env.update(extra or {})
-    return env
+    return without_autoload(**(extra or {}))
 
 
 def _by_name(report: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:

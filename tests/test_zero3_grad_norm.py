@@ -16,6 +16,7 @@ from typing import Any, Dict, List
 import pytest
 
 from helpers.dist import run_ranks
+from helpers.env import without_autoload
 from helpers.zero import install_without
 
 _CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.05,
@@ -294,8 +295,7 @@ def _ab_run(tmp_path: Any, *argv: str) -> Dict[str, Any]:
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "ab.json"
-    env = {k: v for k, v in os.environ.items() if k != "DS_Z3NATIVE"}
-    env["DS_ACCELERATOR"] = "cpu"
+    env = without_autoload(DS_ACCELERATOR="cpu")
     r = subprocess.run([sys.executable, str(root / "bench" / "deepcompile_run.py"), "--mode",
                         "eager", "--eager-stage", "3", "--model", "llama", "--size", "tiny",
                         "--ab-grad-norm", *argv, "--json", str(out)],

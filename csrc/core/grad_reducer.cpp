@@ -1,5 +1,7 @@
 #include "core/grad_reducer.h"
 
+#include <ATen/ops/_foreach_copy.h>
+#include <ATen/ops/_foreach_zero.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -124,10 +126,12 @@ void GradReducer::addGroup(const std::vector<ParamEntry*>& params,
     }
     // The copies may start once the gradients are computed and a bucket's last flush has read
     // it: the copy stream waits once for the group, and once for each bucket it writes (again
-    // after a flush, which drains it anew).
+    // after a flush, which drains it anew). The copies into one bucket go out as one batched
+    // (foreach) copy, issued before that bucket flushes.
     compute_ready_->record(StreamRole::Compute);
     compute_ready_->block(StreamRole::Copy);
     std::vector<const ReduceBucket*> waited;
+    PendingCopies pending;
     for (size_t i = 0; i < params.size(); ++i) {
         ParamEntry& p = *params[i];
         const at::Tensor& grad = converted[i];
@@ -136,6 +140,7 @@ void GradReducer::addGroup(const std::vector<ParamEntry*>& params,
 
         PerDtype& state = stateFor(dtype, grad.device());
         if (state.bucket().cursor().needsFlushFor(slot_n)) {
+            issue(pending);
             flush(dtype, state);
             waited.clear();
         }
@@ -146,16 +151,31 @@ void GradReducer::addGroup(const std::vector<ParamEntry*>& params,
         }
         at::Tensor slot;
         {
-            auto scope = device_.use(StreamRole::Copy);
-            at::Tensor flat = grad.reshape({-1});
+            auto scope = device_.use(StreamRole::Copy);  // a growing bucket allocates here
             slot = bucket.take(slot_n);
-            noteBucketMemory();
-            slot.narrow(0, 0, p.numel).copy_(flat, /*non_blocking=*/true);
-            if (slot_n > p.numel) { slot.narrow(0, p.numel, slot_n - p.numel).zero_(); }
-            device_.recordStream(flat, StreamRole::Copy);
+        }
+        noteBucketMemory();
+        pending.dst.push_back(slot.narrow(0, 0, p.numel));
+        pending.src.push_back(grad.reshape({-1}));
+        if (slot_n > p.numel) {
+            pending.padding.push_back(slot.narrow(0, p.numel, slot_n - p.numel));
         }
         state.tasks.push_back(Task{p.ds_id, slot});
     }
+    issue(pending);
+}
+
+void GradReducer::issue(PendingCopies& pending)
+{
+    if (pending.dst.empty()) { return; }
+    {
+        auto scope = device_.use(StreamRole::Copy);
+        at::_foreach_copy_(pending.dst, pending.src, /*non_blocking=*/true);
+        if (!pending.padding.empty()) { at::_foreach_zero_(pending.padding); }
+        // The gradients' memory may be reused only after the copy stream has read it.
+        for (const at::Tensor& src : pending.src) { device_.recordStream(src, StreamRole::Copy); }
+    }
+    pending = PendingCopies{};
 }
 
 void GradReducer::noteBucketMemory()
@@ -239,21 +259,32 @@ void GradReducer::flush(at::ScalarType dtype, PerDtype& state)
             }
         }
 
+        // One rank's sum over ranks is its own slot: no collective is issued, the partitioned
+        // gradients are received with one batched copy and the others read from their slots.
+        const bool local = ws == 1;
+        std::vector<at::Tensor> local_in;
+        std::vector<at::Tensor> local_out;
         CommGroup group(comm_);
         for (size_t i = 0; i < params.size(); ++i) {
             const at::Tensor& slot = state.tasks[i].slot;
             const int64_t bytes = slot.numel() * static_cast<int64_t>(slot.element_size());
             if (params[i]->partitioned) {
-                comm_.reduceScatterSum(slot, recv[i], params[i]->ds_id);
+                if (local) {
+                    local_in.push_back(slot);
+                    local_out.push_back(recv[i]);
+                } else {
+                    comm_.reduceScatterSum(slot, recv[i], params[i]->ds_id);
+                }
                 stats_.reduce_scatter_calls += 1;
                 stats_.reduce_scatter_bytes += bytes;
             } else {
-                comm_.allReduceSum(slot, params[i]->ds_id);
+                if (!local) { comm_.allReduceSum(slot, params[i]->ds_id); }
                 stats_.allreduce_calls += 1;
                 stats_.allreduce_bytes += bytes;
             }
         }
         group.end();
+        if (!local_in.empty()) { at::_foreach_copy_(local_out, local_in, /*non_blocking=*/true); }
 
         for (size_t i = 0; i < params.size(); ++i) {
             ParamEntry& p = *params[i];

@@ -63,7 +63,15 @@ private:
         ReduceBucket& bucket() { return *buckets[current]; }
     };
 
+    // Bucket writes queued by addGroup, issued together on the copy stream.
+    struct PendingCopies {
+        std::vector<at::Tensor> dst;      // slot regions
+        std::vector<at::Tensor> src;      // flat gradients
+        std::vector<at::Tensor> padding;  // slot tails past the gradient, zeroed
+    };
+
     PerDtype& stateFor(at::ScalarType dtype, c10::Device device);
+    void issue(PendingCopies& pending);
     void flush(at::ScalarType dtype, PerDtype& state);
     void discard(PerDtype& state);
     // Raises stats_.reduce_bucket_bytes to the bucket memory allocated now, if higher.

@@ -1,4 +1,6 @@
-// Counters of the collectives the runtime issued (per call, not per NCCL kernel).
+// Counters of the collectives the runtime issued (per call, not per NCCL kernel). At world size 1
+// a gradient's reduce-scatter or all-reduce is counted as one, though the reducer issues no
+// collective there: the sum over one rank is the gradient itself.
 #pragma once
 
 #include <cstdint>

@@ -635,6 +635,38 @@ TEST(Zero12, Zero2ReducesEveryPassIntoThePartition)
     }
 }
 
+// One rank sums over itself: its gradients land in the grad buffers (ZeRO-3 shards with
+// accumulation, ZeRO-2 partitions) without a single collective, and the counters still count
+// one reduction per gradient. Several flushes per pass (capacity 8) and both bucket modes.
+TEST(OneRank, GradientsLandWithoutACollective)
+{
+    for (bool double_buffer : {false, true}) {
+        SCOPED_TRACE(std::string("double_buffer ") + (double_buffer ? "on" : "off"));
+        auto world = std::make_shared<LoopbackWorld>(1);
+        runRanks(world, smallConfig(8, double_buffer), [&](int64_t rank, Runtime& rt) {
+            const GraphParams p = registerGraphOf(rt, kShapes);
+            backwardPass(rt, p, rank, 0, /*boundary=*/false, /*release_reduce_buckets=*/false);
+            backwardPass(rt, p, rank, 1, /*boundary=*/true, /*release_reduce_buckets=*/true);
+            expectShards(p, 1, rank, {0, 1}, /*padding_zero=*/true);
+            EXPECT_EQ(rt.stats().reduce_scatter_calls, 2 * static_cast<int64_t>(p.ids.size()));
+            EXPECT_GT(rt.stats().bucket_flushes, 2);
+
+            const std::vector<std::vector<int64_t>> shapes = {{5}, {3, 3}, {2}};
+            const std::vector<Partitioned> parts = registerZ12All(rt, shapes, 40);
+            rt.registerGraph(kGraph + 1, {40, 41, 42}, ZeroStage::Z2);
+            rt.startBackward(true);
+            for (size_t i = 0; i < shapes.size(); ++i) {
+                const int64_t id = 40 + static_cast<int64_t>(i);
+                rt.reduceGrad(kGraph + 1, id, rankGrad(id, shapes[i], rank, 0));
+            }
+            rt.endBackward(kGraph + 1, true);
+            expectPartitions(parts, shapes, 40, 1, {0});
+            EXPECT_EQ(rt.stats().allreduce_calls, static_cast<int64_t>(shapes.size()));
+        });
+        EXPECT_EQ(world->issued(), 0);
+    }
+}
+
 TEST(Zero12, Zero1ReducesTheLocalSumOncePerWindow)
 {
     for (int64_t ws : {2, 3}) {

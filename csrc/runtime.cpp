@@ -523,8 +523,9 @@ void Runtime::endBackward(int64_t graph_id, bool release_reduce_buckets)
               " gradients queued). Call start_backward(update) before the backward graphs run, "
               "as DeepSpeed's backward prologue does");
     reducer_.flushAll();
-    // The optimizer step reads the grad buffers next.
-    device_->synchronize(StreamRole::ReduceScatter);
+    // The optimizer step reads the grad buffers next, in stream order after the backward: the
+    // compute stream waits for the reductions, the host goes on to launch the step.
+    reducer_.joinCompute();
     if (release_reduce_buckets) { reducer_.releaseBuffers(); }
     if (updating_) {
         for (int64_t id : ex.ids()) {

@@ -26,7 +26,8 @@ GradReducer::GradReducer(ParamRegistry& registry,
       capacity_(bucket_capacity),
       double_buffer_(double_buffer),
       compute_ready_(device.newEvent()),
-      copies_done_(device.newEvent())
+      copies_done_(device.newEvent()),
+      reduced_(device.newEvent())
 {
     DSZ_CHECK(bucket_capacity >= 1, "init", "initial_reduce_bucket_size must be >= 1, got ",
               bucket_capacity);
@@ -334,6 +335,14 @@ void GradReducer::flushAll()
         }
     }
     if (first) { std::rethrow_exception(first); }
+}
+
+void GradReducer::joinCompute()
+{
+    // Every bucket write is followed by its flush on the reduce-scatter stream, which waited for
+    // the copy stream: that stream's last point covers both.
+    reduced_->record(StreamRole::ReduceScatter);
+    reduced_->block(StreamRole::Compute);
 }
 
 void GradReducer::releaseBuffers()

@@ -46,6 +46,9 @@ public:
     // The bucket elements the queued gradient of ds_id takes, or -1 when none is queued.
     int64_t queuedSlotNumel(int64_t ds_id) const;
     void flushAll();
+    // Makes later work on the compute stream wait for every reduction issued so far (their
+    // writes into the grad buffers); the host does not wait.
+    void joinCompute();
     // Frees bucket memory (nothing may be queued).
     void releaseBuffers();
     size_t pending() const;
@@ -86,6 +89,7 @@ private:
     std::map<at::ScalarType, PerDtype> per_dtype_;
     std::shared_ptr<Event> compute_ready_;
     std::shared_ptr<Event> copies_done_;
+    std::shared_ptr<Event> reduced_;
 };
 
 }  // namespace dsz

@@ -159,3 +159,53 @@ def test_build_info_cuda_flavour() -> None:
     assert re.fullmatch(r"\d+\.\d+\.\d+", info["nccl_version"]), info
     assert int(info["nccl_version"].split(".")[0]) == torch.cuda.nccl.version()[0]
     assert isinstance(info["arch_list"], str)  # TORCH_CUDA_ARCH_LIST at build time, may be ""
+
+
+
+def _reads_after_end_backward(rank: int, ws: int) -> Dict[str, Any]:
+    """Backwards whose gradients come late (a long kernel before them on the compute stream):
+    whether end_backward returned to the host before they existed, and what a read of the grad
+    buffers queued on the compute stream right after it saw."""
+    import torch.distributed as dist
+
+    import ds_z3native
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    m = ds_z3native.native()
+    m.init(dist.new_group(backend="nccl"), compile_config(), 1 << 20)
+    numel = 1 << 22
+    n = per_rank(numel, ws)
+    bufs = {ds_id: torch.zeros(n, device=device) for ds_id in (1, 2)}
+    for ds_id, buf in bufs.items():
+        m.register_z3_param(ds_id, [numel], torch.zeros(n, device=device), buf, False,
+                            torch.float32)
+    m.register_graph_z3(GRAPH, list(bufs))
+    out: Dict[str, Any] = {"returned_early": [], "reads": []}
+    for step in range(4):  # the first also sets up the communicator (NCCL's is made lazily)
+        m.start_backward(True)
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of device time before the gradients
+        grads = {i: torch.full((numel,), float(10 * step + i + rank), device=device)
+                 for i in bufs}
+        made = torch.cuda.Event()
+        made.record()
+        deps = [torch.ops.dc.reduce_grad(g, GRAPH, i) for i, g in grads.items()]
+        torch.ops.dc.end_backward(deps, GRAPH, True)
+        out["returned_early"].append(not made.query())
+        reads = {i: b.clone() for i, b in bufs.items()}  # queued on the compute stream
+        out["reads"].append({i: r.cpu() for i, r in reads.items()})
+    m.cleanup()
+    return out
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_end_backward_orders_the_step_after_the_reductions_without_a_host_wait(ws: int) -> None:
+    """The optimizer step that follows end_backward reads the grad buffers in stream order: the
+    compute stream waits for the reductions, the host does not (it goes on launching the step)."""
+    _need_gpus(ws)
+    for rank, out in enumerate(run_ranks(_reads_after_end_backward, ws, timeout=300)):
+        assert out["returned_early"][1:] == [True] * 3, (rank, out["returned_early"])
+        for step, reads in enumerate(out["reads"]):
+            for ds_id, got in reads.items():
+                mean = sum(10 * step + ds_id + r for r in range(ws)) / ws
+                assert torch.equal(got, torch.full_like(got, mean)), (rank, step, ds_id, got)

@@ -133,35 +133,45 @@ void GradReducer::addGroup(const std::vector<ParamEntry*>& params,
     compute_ready_->block(StreamRole::Copy);
     std::vector<const ReduceBucket*> waited;
     PendingCopies pending;
-    for (size_t i = 0; i < params.size(); ++i) {
-        ParamEntry& p = *params[i];
-        const at::Tensor& grad = converted[i];
-        const at::ScalarType dtype = grad.scalar_type();
-        const int64_t slot_n = p.slotNumel();
+    try {
+        for (size_t i = 0; i < params.size(); ++i) {
+            ParamEntry& p = *params[i];
+            const at::Tensor& grad = converted[i];
+            const at::ScalarType dtype = grad.scalar_type();
+            const int64_t slot_n = p.slotNumel();
 
-        PerDtype& state = stateFor(dtype, grad.device());
-        if (state.bucket().cursor().needsFlushFor(slot_n)) {
+            PerDtype& state = stateFor(dtype, grad.device());
+            if (state.bucket().cursor().needsFlushFor(slot_n)) {
+                issue(pending);
+                flush(dtype, state);
+                waited.clear();
+            }
+            ReduceBucket& bucket = state.bucket();
+            if (std::find(waited.begin(), waited.end(), &bucket) == waited.end()) {
+                bucket.drained->block(StreamRole::Copy);
+                waited.push_back(&bucket);
+            }
+            at::Tensor slot;
+            {
+                auto scope = device_.use(StreamRole::Copy);  // a growing bucket allocates here
+                slot = bucket.take(slot_n);
+            }
+            noteBucketMemory();
+            pending.dst.push_back(slot.narrow(0, 0, p.numel));
+            pending.src.push_back(grad.reshape({-1}));
+            if (slot_n > p.numel) {
+                pending.padding.push_back(slot.narrow(0, p.numel, slot_n - p.numel));
+            }
+            state.tasks.push_back(Task{p.ds_id, slot});
+        }
+    } catch (...) {
+        // The gradients queued before the failure still go into their slots: a later flush
+        // reduces them. A second failure here is dropped for the first one, which is rethrown.
+        try {
             issue(pending);
-            flush(dtype, state);
-            waited.clear();
+        } catch (...) {
         }
-        ReduceBucket& bucket = state.bucket();
-        if (std::find(waited.begin(), waited.end(), &bucket) == waited.end()) {
-            bucket.drained->block(StreamRole::Copy);
-            waited.push_back(&bucket);
-        }
-        at::Tensor slot;
-        {
-            auto scope = device_.use(StreamRole::Copy);  // a growing bucket allocates here
-            slot = bucket.take(slot_n);
-        }
-        noteBucketMemory();
-        pending.dst.push_back(slot.narrow(0, 0, p.numel));
-        pending.src.push_back(grad.reshape({-1}));
-        if (slot_n > p.numel) {
-            pending.padding.push_back(slot.narrow(0, p.numel, slot_n - p.numel));
-        }
-        state.tasks.push_back(Task{p.ds_id, slot});
+        throw;
     }
     issue(pending);
 }

@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from helpers.env import without_autoload
 from ds_z3native.settings import PROFILE_STORE_ENV, SINGLE_CYCLE_ENV
+from helpers.env import without_autoload
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # bench/ is a folder of the checkout, not an installed package

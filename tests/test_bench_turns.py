@@ -16,6 +16,7 @@ from typing import Dict
 import pytest
 
 from helpers.env import without_autoload
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # bench/ is a folder of the checkout, not an installed package
 

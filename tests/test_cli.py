@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
 from helpers.env import without_autoload
 
 ROOT = Path(__file__).resolve().parents[1]

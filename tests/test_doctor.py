@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from helpers.venv_site import see_outer_site, venv_site
 from helpers.env import without_autoload
+from helpers.venv_site import see_outer_site, venv_site
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240

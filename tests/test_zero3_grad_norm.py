@@ -288,7 +288,6 @@ def _ab_run(tmp_path: Any, *argv: str) -> Dict[str, Any]:
     """``bench/deepcompile_run.py --ab-grad-norm`` on eager ZeRO-3 (any release), the tiny Llama
     LoRA on the CPU: its JSON result."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path

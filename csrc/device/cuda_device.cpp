@@ -64,7 +64,6 @@ public:
     {
         return std::make_unique<CudaScope>(stream(role));
     }
-    void synchronize(StreamRole role) override { stream(role).synchronize(); }
     void synchronizeDevice() override { c10::cuda::device_synchronize(); }
     void recordStream(const at::Tensor& t, StreamRole role) override
     {

@@ -39,7 +39,6 @@ public:
     virtual c10::Device computeDevice() const = 0;
     virtual std::shared_ptr<Event> newEvent() = 0;
     virtual std::unique_ptr<StreamScope> use(StreamRole role) = 0;
-    virtual void synchronize(StreamRole role) = 0;
     virtual void synchronizeDevice() = 0;
     // Tells the allocator that `t` is in use on `role` (so its memory is not reused too early).
     virtual void recordStream(const at::Tensor& t, StreamRole role) = 0;

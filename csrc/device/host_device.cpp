@@ -31,7 +31,6 @@ public:
     c10::Device computeDevice() const override { return c10::Device(c10::kCPU); }
     std::shared_ptr<Event> newEvent() override { return std::make_shared<HostEvent>(); }
     std::unique_ptr<StreamScope> use(StreamRole) override { return std::make_unique<HostScope>(); }
-    void synchronize(StreamRole) override {}
     void synchronizeDevice() override {}
     void recordStream(const at::Tensor&, StreamRole) override {}
     bool supportsPinnedMemory() const override { return false; }

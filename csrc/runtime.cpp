@@ -251,7 +251,11 @@ void Runtime::setPersistent(int64_t ds_id)
     if (!p.persistent) {
         // A hint from DeepCompile's selective gather: over the budget, the param simply keeps
         // being gathered and released at each use.
-        const int64_t bytes = p.layout.padded * static_cast<int64_t>(p.shard.element_size());
+        // Bytes the kept copy takes beyond the shard: none where the copy is the shard.
+        const int64_t bytes =
+            gatherer_.aliasesShard(p, p.shard.scalar_type())
+                ? 0
+                : p.layout.padded * static_cast<int64_t>(p.shard.element_size());
         const auto& budget = persistence_.budget_bytes;
         if (budget && persistence_.selected_bytes + bytes > *budget) {
             persistence_.declined += 1;

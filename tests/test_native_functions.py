@@ -371,7 +371,9 @@ def test_graph_alias_is_resolved_by_every_graph_op_until_reset(m) -> None:
 
 def test_persistence_budget_caps_set_persistent(m, clean_settings) -> None:
     # DeepCompile's selective gather marks params persistent while it estimates free memory;
-    # with a budget only what fits stays gathered (here: one 1 MiB fp32 param of two).
+    # with a budget only what fits stays gathered (here: one 1 MiB fp32 param of two). Their
+    # shards are strided, so that even on one rank their kept copies are copies; a contiguous
+    # shard on one rank is its own kept param and costs nothing (the last check).
     environ = dict(os.environ)
     ds_z3native.set_persistence_budget(1.5)
     assert dict(os.environ) == environ  # kept in the settings, not in the environment
@@ -379,12 +381,16 @@ def test_persistence_budget_caps_set_persistent(m, clean_settings) -> None:
     m.init(local_group(), compile_config(), 4096)
     n = 256 * 1024  # 1 MiB of fp32
     for ds_id in (101, 102):
-        m.register_z3_param(ds_id, [n], _z3_param(n), torch.Tensor(), False)
+        strided = torch.empty(2 * n)[::2].copy_(_z3_param(n))
+        m.register_z3_param(ds_id, [n], strided, torch.Tensor(), False)
+    m.register_z3_param(103, [n], _z3_param(n), torch.Tensor(), False)
     m.set_persistent(101)
     m.set_persistent(102)
+    m.set_persistent(103)
     assert m.param_state(101)["persistent"] and not m.param_state(102)["persistent"]
+    assert m.param_state(103)["persistent"]
     assert m.persistence_info() == {"budget_bytes": int(1.5 * 2**20), "selected_bytes": 4 * n,
-                                    "selected": 1, "declined": 1}
+                                    "selected": 2, "declined": 1}
     ds_z3native.set_persistence_budget(None)  # the live runtime too
     m.set_persistent(102)
     assert m.param_state(102)["persistent"]

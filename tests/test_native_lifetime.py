@@ -202,15 +202,19 @@ def test_cleanup_while_a_gather_waits_on_the_other_rank() -> None:
 
 def test_released_tensor_is_never_read() -> None:
     # release_param frees the gathered memory under every view: reading such a view segfaulted.
+    # On one rank a gather in the shard's own dtype is the shard itself and its release frees
+    # nothing; a gather in another dtype is a copy, freed at its release.
     proc = run_python(_PRELUDE + r'''
 m.init(dist.new_group(backend="gloo"), compile_config(), 1 << 16)
 setup()
 m.register_z3_param(2, [4], torch.arange(4.0), torch.zeros(4), False)
 m.register_graph_z3(1, [1, 2])
-t = dc.allgather_param(torch.empty(0), 0, 1)
+s = dc.allgather_param(torch.empty(0), 0, 1)
+dc.release_param(s, 0, 1, 1)
+out = {"shard_after_release": torch.equal(s.reshape(-1), SHARD)}
+t = dc.allgather_param(torch.empty(0), 0, 1, torch.float64)
 dc.release_param(t, 0, 1, 1)
 m.start_backward(True)
-out = {}
 for name, fn in {"reduce_grad": lambda: dc.reduce_grad(t, 0, 1),
                  "offload_tensor": lambda: dc.offload_tensor(t, 0, 7),
                  "test_call": lambda: dc.test_call(t)}.items():
@@ -261,6 +265,7 @@ print(json.dumps(out), flush=True)
     assert out["gathered_after"] is False
     assert "grad buffer of ds_id 3 has no data" in out["reduce_into_freed_buffer"], out
     assert out["valid_after"] is True
+    assert out["shard_after_release"] is True
 
 
 @pytest.mark.parametrize("bad", [dict(bucket_size=0), dict(free_activation_threshold=-1),

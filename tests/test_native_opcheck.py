@@ -77,8 +77,8 @@ def prepare(m) -> None:
     m.start_backward(True)
 
 
-def gathered(ds_id: int) -> torch.Tensor:
-    return torch.ops.dc.allgather_param(placeholder(), GRAPH, ds_id)
+def gathered(ds_id: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return torch.ops.dc.allgather_param(placeholder(), GRAPH, ds_id, dtype)
 
 
 def offloaded(value_id: int) -> torch.Tensor:
@@ -113,6 +113,14 @@ def _check_released(m, args, out) -> None:
     assert out is args[0]
     assert out.untyped_storage().nbytes() == 0  # freed under every view the graph holds
     assert not m.param_state(1)["gathered"]
+
+
+def _check_released_shard(m, args, out) -> None:
+    # On one rank the gathered param in the shard's dtype is the shard: its release forgets it
+    # and leaves the shard's values where they are.
+    assert out is args[0]
+    assert not m.param_state(1)["gathered"]
+    torch.testing.assert_close(out.reshape(-1), param_values()[1], rtol=0, atol=0)
 
 
 def _check_prefetched(m, args, out) -> None:
@@ -179,8 +187,10 @@ SAMPLES: Dict[str, List[Sample]] = {
     "release_param": [
         Sample("more_users", lambda m: (gathered(1), GRAPH, 1, 1000), skip=ALIASING,
                check=_check_alias),
-        Sample("last_user", lambda m: (gathered(1), GRAPH, 1, 1), skip=ALIASING,
-               check=_check_released),
+        Sample("last_user", lambda m: (gathered(1, torch.float64), GRAPH, 1, 1),
+               skip=ALIASING, check=_check_released),
+        Sample("last_user_shard", lambda m: (gathered(1), GRAPH, 1, 1), skip=ALIASING,
+               check=_check_released_shard),
     ],
     "reduce_grad": [
         Sample("fp32", lambda m: (torch.randn(3, 5), GRAPH, 1), check=_check_reduced),

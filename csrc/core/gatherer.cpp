@@ -53,11 +53,37 @@ at::Tensor Gatherer::shardForGather(ParamEntry& p, at::ScalarType dtype)
     return shard.dim() == 1 ? shard : shard.view(-1);
 }
 
+bool Gatherer::aliasesShard(const ParamEntry& p, at::ScalarType dtype) const
+{
+    if (comm_.worldSize() != 1 || p.reloaded.defined()) { return false; }
+    const at::Tensor& s = p.shard;
+    return s.scalar_type() == dtype && s.numel() == p.layout.padded && s.is_contiguous() &&
+           s.device() == device_.computeDevice();
+}
+
+void Gatherer::useShard(ParamEntry& p)
+{
+    if (p.gathered.defined() && !p.gathered_is_shard && p.gathered.storage().nbytes() > 0) {
+        // A stale copy in another dtype goes; kernels queued on the compute stream may still
+        // read it.
+        device_.recordStream(p.gathered, StreamRole::Compute);
+    }
+    at::Tensor flat = p.shard.requires_grad() ? p.shard.detach() : p.shard;
+    p.gathered = flat.dim() == 1 ? flat : flat.view(-1);
+    p.gathered_is_shard = true;
+    p.has_gathered = true;
+    p.valid = true;
+    // Counted as the gather it stands for, as the reducer counts its reduce-scatters on one
+    // rank: comm_stats() reads the same at every world size.
+    stats_.allgather_calls += 1;
+    stats_.allgather_bytes += p.layout.padded * static_cast<int64_t>(p.shard.element_size());
+}
+
 at::Tensor Gatherer::prepareBuffer(ParamEntry& p, at::ScalarType dtype)
 {
     const at::Tensor& old = p.gathered;
-    if (old.defined() && old.numel() == p.layout.padded && old.scalar_type() == dtype &&
-        old.storage().nbytes() > 0) {
+    if (old.defined() && !p.gathered_is_shard && old.numel() == p.layout.padded &&
+        old.scalar_type() == dtype && old.storage().nbytes() > 0) {
         return old;
     }
     return at::empty({p.layout.padded},
@@ -89,6 +115,7 @@ void Gatherer::launch(ParamEntry& p, const at::Tensor& buffer)
 {
     gatherInto(p, buffer);
     p.gathered = buffer;
+    p.gathered_is_shard = false;
     p.has_gathered = true;
     p.valid = true;
 }
@@ -126,6 +153,10 @@ at::Tensor Gatherer::gather(ParamEntry& p, std::optional<at::ScalarType> dtype, 
         if (!p.gather_done) { p.gather_done = device_.newEvent(); }
         p.gather_done->record(StreamRole::AllGather);
         return fullView(p, buffer);
+    }
+    if (aliasesShard(p, target)) {
+        useShard(p);
+        return fullView(p, p.gathered);
     }
     // The compute stream may still read an old copy that the gather overwrites.
     compute_ready_->record(StreamRole::Compute);
@@ -174,6 +205,16 @@ void Gatherer::prefetch(const std::vector<ParamEntry*>& params,
         requireShardData(p, op);
         todo.emplace_back(&p, dtype);
     }
+    // Every param was checked before any is marked gathered: a refused group leaves all released.
+    std::vector<std::pair<ParamEntry*, at::ScalarType>> copies;
+    for (auto& entry : todo) {
+        if (aliasesShard(*entry.first, entry.second)) {
+            useShard(*entry.first);
+        } else {
+            copies.push_back(entry);
+        }
+    }
+    todo.swap(copies);
     if (todo.empty()) { return; }
     compute_ready_->record(StreamRole::Compute);
     compute_ready_->block(StreamRole::AllGather);
@@ -209,7 +250,7 @@ void Gatherer::free(ParamEntry& p, const char* op)
     DSZ_CHECK(p.has_gathered, op, "ds_id ", p.ds_id,
               " is not gathered: release_param without a preceding allgather_param, or a "
               "second release after its last user");
-    if (p.gathered.defined() && p.gathered.storage().nbytes() > 0) {
+    if (p.gathered.defined() && !p.gathered_is_shard && p.gathered.storage().nbytes() > 0) {
         // Kernels queued on the compute stream may still read it.
         device_.recordStream(p.gathered, StreamRole::Compute);
         // Free the memory under every view the graph still holds.
@@ -222,6 +263,7 @@ void Gatherer::forget(ParamEntry& p, bool keep_placeholder)
 {
     p.gathered = at::Tensor();
     p.full_view = at::Tensor();
+    p.gathered_is_shard = false;
     p.has_gathered = keep_placeholder;
     p.valid = false;
 }

@@ -38,11 +38,17 @@ public:
     // Frozen params never change, so their copies stay valid.
     static void invalidateAfterStep(ParamEntry& p);
 
+    // On one rank, a gather in the shard's own dtype of a shard that sits contiguous on the
+    // compute device needs no copy: the gathered param is the shard. Such a gather issues no
+    // collective, takes no memory, and its release leaves the shard alone.
+    bool aliasesShard(const ParamEntry& p, at::ScalarType dtype) const;
+
     // Full-shape metadata of the gathered param (for the Meta kernel).
     static at::Tensor metaOf(const ParamEntry& p, std::optional<at::ScalarType> dtype);
 
 private:
     at::Tensor prepareBuffer(ParamEntry& p, at::ScalarType dtype);
+    void useShard(ParamEntry& p);  // the gathered param is the shard (aliasesShard)
     void launch(ParamEntry& p, const at::Tensor& buffer);  // gatherInto, and keeps the copy
     void gatherInto(ParamEntry& p, const at::Tensor& buffer);
     at::Tensor shardForGather(ParamEntry& p, at::ScalarType dtype);

@@ -42,6 +42,9 @@ struct ParamEntry {
     // The full-shape view of `gathered` that Gatherer::gatherKept last returned (made once per
     // buffer for a param kept gathered); dropped with the buffer.
     at::Tensor full_view;
+    // On one rank `gathered` may be the shard itself (Gatherer::aliasesShard): releasing it must
+    // then only forget it, never free its storage.
+    bool gathered_is_shard = false;
 
     // Set once a reduced gradient has been written into grad_buffer in this accumulation window:
     // later ones are added, the first one overwrites.

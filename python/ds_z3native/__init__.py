@@ -75,8 +75,9 @@ def set_persistence_budget(mib: Optional[float]) -> None:
     with a cap, ds_z3native keeps only what fits and the others are gathered and released at
     each use as before. DeepCompile registers every param non-persistent (its ``init_z3`` clears
     DeepSpeed's own persistence threshold), so with a cap of 0 nothing stays gathered between
-    uses, small norm weights included. Use the same cap on every rank: a param kept persistent is
-    gathered at once, a collective that every rank must join.
+    uses, small norm weights included. On one rank a gathered param is its shard itself: keeping
+    it takes no memory and counts 0 bytes against the cap. Use the same cap on every rank: a
+    param kept persistent is gathered at once, a collective that every rank must join.
 
     Applies to the live runtime, if any, and to every later ``init()`` in this process (the
     native module's default, ``_C.set_default_persistence_budget``). This process only: nothing

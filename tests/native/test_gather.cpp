@@ -42,7 +42,8 @@ TEST_P(GatherAtWorldSize, AllgatherReturnsTheExactFullTensorOnEveryRank)
             EXPECT_EQ(as_double.scalar_type(), at::kDouble);
             EXPECT_TRUE(as_double.equal(fullParam(ids[i], kShapes[i]).to(at::kDouble)));
             rt.releaseParam(kGraph, ids[i], 1);
-            EXPECT_TRUE(freed(full));
+            // On one rank the gathered param is the shard itself (OneRank below): nothing to free.
+            EXPECT_EQ(freed(full), ws > 1);
             EXPECT_FALSE(rt.paramState(ids[i]).gathered);
         }
         // A requested dtype converts the gathered values.
@@ -55,8 +56,8 @@ TEST_P(GatherAtWorldSize, AllgatherReturnsTheExactFullTensorOnEveryRank)
         EXPECT_EQ(s.allgather_calls, static_cast<int64_t>(ids.size()) + 1);
         EXPECT_EQ(s.reduce_scatter_calls, 0);
     });
-    // Every rank joined every gather.
-    EXPECT_EQ(world->issued(), ws * static_cast<int64_t>(kShapes.size() + 1));
+    // Every rank joined every gather; one rank needs a collective only for the double copy.
+    EXPECT_EQ(world->issued(), ws > 1 ? ws * static_cast<int64_t>(kShapes.size() + 1) : 1);
 }
 
 TEST_P(GatherAtWorldSize, PrefetchThenAllgatherWaitRelease)
@@ -91,14 +92,84 @@ TEST_P(GatherAtWorldSize, PrefetchThenAllgatherWaitRelease)
         EXPECT_TRUE(b.equal(fullParam(ids[4], kShapes[4])));
         rt.releaseParam(kGraph, ids[0], 1);
         rt.releaseParam(kGraph, ids[4], 1);
-        EXPECT_TRUE(freed(a));
-        EXPECT_TRUE(freed(b));
+        EXPECT_TRUE(freed(a));  // a double copy of a float shard, at every world size
+        EXPECT_EQ(freed(b), ws > 1);
     });
-    EXPECT_EQ(world->issued(), ws * static_cast<int64_t>(kShapes.size() + 2));
+    EXPECT_EQ(world->issued(), ws > 1 ? ws * static_cast<int64_t>(kShapes.size() + 2) : 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, GatherAtWorldSize, ::testing::Values(1, 2, 3, 5),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
+
+// One rank: a gather in the shard's dtype hands out the shard itself. No collective, no copy, and
+// a release that forgets it without freeing the shard. Any other dtype is a real copy, freed as
+// at every world size.
+TEST(OneRank, TheGatheredParamIsTheShard)
+{
+    auto world = std::make_shared<LoopbackWorld>(1);
+    runRanks(world, smallConfig(), [&](int64_t, Runtime& rt) {
+        const std::vector<int64_t> shape = {3, 7};
+        const at::Tensor expected = fullParam(51, shape);
+        at::Tensor shard = expected.reshape(-1).clone();
+        rt.registerZ3Param(51, shape, shard, zerosF(21), false, std::nullopt);
+        registerZ3(rt, 52, {5}, /*frozen=*/true);
+        rt.registerGraph(kGraph, {51, 52}, ZeroStage::Z3);
+
+        at::Tensor full = rt.allgatherParam(kGraph, 51, std::nullopt);
+        rt.waitAllgather(kGraph, 51);
+        EXPECT_EQ(full.sizes().vec(), shape);
+        EXPECT_EQ(full.data_ptr(), shard.data_ptr());
+        EXPECT_TRUE(full.equal(expected));
+        rt.releaseParam(kGraph, 51, 1);
+        EXPECT_FALSE(rt.paramState(51).gathered);
+        EXPECT_FALSE(freed(shard));
+        EXPECT_TRUE(shard.equal(expected.reshape(-1)));
+
+        // The optimizer writes the shard in place; the next gather shows the new values.
+        shard.add_(1.0f);
+        at::Tensor after = rt.allgatherParam(kGraph, 51, std::nullopt);
+        EXPECT_TRUE(after.equal(expected.add(1.0)));
+        rt.releaseParam(kGraph, 51, 1);
+
+        // Prefetched: the same, for both params.
+        rt.prefetchParamsFused(kGraph, {51, 52}, std::nullopt);
+        EXPECT_TRUE(rt.paramState(51).gathered && rt.paramState(52).gathered);
+        at::Tensor f = rt.allgatherParam(kGraph, 51, std::nullopt);
+        EXPECT_EQ(f.data_ptr(), shard.data_ptr());
+        rt.releaseParam(kGraph, 51, 1);
+        rt.releaseParam(kGraph, 52, 1);
+        EXPECT_FALSE(freed(shard));
+
+        // Another dtype is a copy: it leaves the shard alone and its release frees the copy.
+        at::Tensor d = rt.allgatherParam(kGraph, 51, at::kDouble);
+        EXPECT_NE(d.data_ptr(), shard.data_ptr());
+        EXPECT_TRUE(d.equal((expected.add(1.0)).to(at::kDouble)));
+        rt.releaseParam(kGraph, 51, 1);
+        EXPECT_TRUE(freed(d));
+        EXPECT_FALSE(freed(shard));
+
+        // A gather after an optimizer step (the shard's view still held, no longer valid) in
+        // another dtype is a copy like any other: its release frees it, not the shard.
+        rt.allgatherParam(kGraph, 51, std::nullopt);
+        rt.startBackward(true);
+        rt.endBackward(kGraph, false);
+        EXPECT_FALSE(rt.paramState(51).valid);
+        at::Tensor d2 = rt.allgatherParam(kGraph, 51, at::kDouble);
+        rt.releaseParam(kGraph, 51, 1);
+        EXPECT_TRUE(freed(d2));
+        EXPECT_FALSE(freed(shard));
+
+        // A kept copy that is the shard costs nothing against the persistence budget.
+        rt.setPersistenceBudget(0);
+        rt.setPersistent(52);
+        EXPECT_TRUE(rt.paramState(52).persistent);
+        EXPECT_EQ(rt.persistenceUse().selected_bytes, 0);
+
+        // Counted as the gathers they stand for: 51 six times, 52 twice.
+        EXPECT_EQ(rt.stats().allgather_calls, 8);
+    });
+    EXPECT_EQ(world->issued(), 2);  // the double copies only
+}
 
 TEST(Release, FreesAtTheLastUserAndASecondReleaseErrors)
 {

@@ -78,13 +78,21 @@ together (one GPU each run, world size 1) lets them compile at the same time, wa
 reach their first timed step, then runs one process's timed steps (and ``--trace`` steps) at a
 time, under an exclusive lock on ``DIR/turn.lock``; the others wait idle with their memory held.
 Each record's ``turns`` gives the waits and its timed window (epoch seconds), so two variants get
-one machine, one GPU and one time span without their timed steps overlapping:
+one machine, one GPU and one time span without their timed steps overlapping. ``DIR:N:K``
+interleaves them instead: each process runs K timed steps per turn and passes the turn on, in a
+fixed order, so a machine that drifts during the run (clocks, the host's other load) reaches every
+variant alike (``turns.windows``: one window per turn):
 
     turns=$(mktemp -d)
     python bench/lora_llama.py --variant trainer-dc-ckpt --take-turns $turns:2 --run pair \
         --output trainer.json &
     python bench/lora_llama.py --variant dc-ckpt --take-turns $turns:2 --run pair \
         --output own.json; wait
+
+An experiment with inductor's own settings: ``--inductor NAME=VALUE`` (repeatable) sets
+``torch._inductor.config.NAME`` before anything compiles (``--inductor triton.cudagraphs=True
+--inductor graph_partition=True``: CUDA graphs between the dc ops; ``--inductor cpp_wrapper=True``:
+inductor's C++ wrapper); the record's ``setup.inductor`` keeps what was set.
 
 Where the time goes: ``--trace DIR`` runs two more steps after the timed ones under
 ``torch.profiler`` and writes, per rank, a Chrome trace (``DIR/<variant>-rank<r>.json``) and
@@ -188,9 +196,15 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="the benchmark invocation this run belongs to (``python -m bench`` gives "
                         "one label to all its runs); a merged file's ratios compare runs with "
                         "the same label only")
-    p.add_argument("--take-turns", type=_turns_arg, default=None, metavar="DIR:N",
+    p.add_argument("--take-turns", type=_turns_arg, default=None, metavar="DIR:N[:K]",
                    help="one of N processes started together: compile alongside the others, "
-                        "then run the timed steps one process at a time (lock in DIR)")
+                        "then run the timed steps one process at a time (lock in DIR); with K, "
+                        "K timed steps per turn, the N processes taking turns in a fixed order")
+    p.add_argument("--inductor", type=_inductor_arg, action="append", default=[],
+                   metavar="NAME=VALUE",
+                   help="set torch._inductor.config.NAME (dotted: triton.cudagraphs) to VALUE (a "
+                        "Python literal, else the text) before anything compiles; repeatable; "
+                        "kept in the record's setup.inductor")
     p.add_argument("--remark", default=None, metavar="TEXT",
                    help="what sets this run apart from others of its variant and label that the "
                         "setup does not say (another build of ds_z3native, say); kept in the "
@@ -204,11 +218,54 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     return args
 
 
-def _turns_arg(text: str) -> "tuple[Path, int]":
-    folder, sep, count = text.rpartition(":")
-    if not sep or not folder or not count.isdigit() or int(count) < 1:
-        raise argparse.ArgumentTypeError(f"expected DIR:N with N >= 1, got {text!r}")
-    return Path(folder), int(count)
+def _turns_arg(text: str) -> "tuple[Path, int, Optional[int]]":
+    """``DIR:N`` -> (DIR, N, None); ``DIR:N:K`` -> (DIR, N, K)."""
+    head, sep, last = text.rpartition(":")
+    folder, sep2, middle = head.rpartition(":")
+    if sep2 and folder and middle.isdigit() and last.isdigit():
+        count, per_turn = int(middle), int(last)
+    else:
+        folder, count, per_turn = head, int(last) if last.isdigit() else 0, None
+    if not sep or not folder or count < 1 or (per_turn is not None and per_turn < 1):
+        raise argparse.ArgumentTypeError(
+            f"expected DIR:N with N >= 1 (or DIR:N:K, K >= 1 timed steps per turn), got {text!r}")
+    return Path(folder), count, per_turn
+
+
+def _inductor_arg(text: str) -> "tuple[str, Any]":
+    """``NAME=VALUE`` -> (NAME, VALUE as a Python literal, else the text)."""
+    import ast
+
+    name, sep, raw = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (a torch._inductor.config "
+                                         f"setting), got {text!r}")
+    try:
+        value: Any = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    return name.strip(), value
+
+
+def apply_inductor_config(settings: Sequence["tuple[str, Any]"]) -> Dict[str, Any]:
+    """Sets each ``torch._inductor.config`` NAME (dotted for a sub-config) to its value; returns
+    what each reads back. An unknown name raises ValueError naming it."""
+    from torch._inductor import config
+
+    applied: Dict[str, Any] = {}
+    for name, value in settings:
+        *path, last = name.split(".")
+        target: Any = config
+        try:
+            for part in path:
+                target = getattr(target, part)
+            getattr(target, last)
+            setattr(target, last, value)
+        except AttributeError:
+            raise ValueError(f"--inductor {name}={value!r}: torch._inductor.config has no "
+                             f"setting {name!r}") from None
+        applied[name] = getattr(target, last)
+    return applied
 
 
 def _alive(pid: str) -> bool:
@@ -229,12 +286,22 @@ class Turns:
     until :meth:`give_back` (or exit: the OS drops the lock of a process that dies). A partner
     that ends before it is ready (a crash while compiling) makes the others fail at once, naming
     its pid; one that never gets ready, after ``timeout`` seconds. Each pair needs a folder of its
-    own: one holding marks of processes that ended is refused."""
+    own: one holding marks of processes that ended is refused.
 
-    def __init__(self, folder: Path, count: int, timeout: float = 3600.0) -> None:
-        self.folder, self.count, self.timeout = folder, count, timeout
+    With ``per_turn`` (K), :meth:`step_done` passes the turn on after every K timed steps: the
+    processes take turns in the order of their pids, through ``folder/ticket`` (whose turn it
+    is; a process that is done, mark ``done-<pid>``, is skipped), the lock still held for each
+    turn. A partner that ends between its turns without being done fails the others."""
+
+    def __init__(self, folder: Path, count: int, timeout: float = 3600.0,
+                 per_turn: Optional[int] = None) -> None:
+        self.folder, self.count, self.timeout, self.per_turn = folder, count, timeout, per_turn
         self._lock: Optional[Any] = None
+        self._order: List[str] = []  # the ready processes' pids, in turn order
+        self._steps_in_turn = 0
         self.record: Dict[str, Any] = {"dir": str(folder), "processes": count}
+        if per_turn is not None:
+            self.record["steps_per_turn"] = per_turn
         folder.mkdir(parents=True, exist_ok=True)
         ended = sorted(f"{kind}-{pid}" for kind in ("started", "ready")
                        for pid in self._pids(kind) if not _alive(pid))
@@ -275,23 +342,85 @@ class Turns:
                 last_log = now
             time.sleep(0.2)
         self.record["ready_wait_s"] = time.perf_counter() - start
+        self._order = sorted(self._pids("ready"), key=int)
         start = time.perf_counter()
-        self._lock = open(self.folder / "turn.lock", "a")
-        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        self._acquire()
         self.record["turn_wait_s"] = time.perf_counter() - start
         self.record["window"] = [time.time(), None]
+        if self.per_turn is not None:
+            self.record["windows"] = [[self.record["window"][0], None]]
         log.info("timed steps start (waited %.1f s for the others, %.1f s for the turn)",
                  self.record["ready_wait_s"], self.record["turn_wait_s"])
+
+    def _whose_turn(self) -> str:
+        """The pid whose turn it is (``per_turn``): the ticket's, or the next not done after it;
+        empty once every process is done."""
+        try:
+            ticket = int((self.folder / "ticket").read_text())
+        except (FileNotFoundError, ValueError):
+            ticket = 0
+        done = set(self._pids("done"))
+        n = len(self._order)
+        return next((self._order[(ticket + j) % n] for j in range(n)
+                     if self._order[(ticket + j) % n] not in done), "")
+
+    def _acquire(self) -> None:
+        import fcntl
+
+        if self.per_turn is not None:
+            me, start = str(os.getpid()), time.perf_counter()
+            while (owner := self._whose_turn()) != me:
+                if owner and not _alive(owner):
+                    raise RuntimeError(f"--take-turns {self.folder}:{self.count}: process "
+                                       f"{owner} ended between its turns (see its log)")
+                if time.perf_counter() - start > self.timeout:
+                    raise RuntimeError(f"--take-turns {self.folder}:{self.count}: the turn did "
+                                       f"not come back within {self.timeout:.0f} s (process "
+                                       f"{owner} holds it)")
+                time.sleep(0.002)
+        self._lock = open(self.folder / "turn.lock", "a")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+
+    def _release(self, done: bool) -> None:
+        import fcntl
+
+        if self.per_turn is not None:
+            me = str(os.getpid())
+            if done:
+                (self.folder / f"done-{me}").touch()
+            ticket = self.folder / f"ticket.{me}"
+            ticket.write_text(str((self._order.index(me) + 1) % len(self._order)))
+            os.replace(ticket, self.folder / "ticket")
+        assert self._lock is not None
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self._lock.close()
+        self._lock = None
+
+    def step_done(self, remaining: int, drain: Callable[[], None]) -> None:
+        """After a timed step, ``remaining`` timed steps still to run: with ``per_turn``, every
+        K-th passes the turn on (``drain`` first: the device must be idle for the next process)
+        and waits for it to come back."""
+        if self.per_turn is None or self._lock is None:
+            return
+        self._steps_in_turn += 1
+        if self._steps_in_turn < self.per_turn or remaining <= 0:
+            return
+        self._steps_in_turn = 0
+        drain()
+        self.record["windows"][-1][1] = time.time()
+        self._release(done=False)
+        start = time.perf_counter()
+        self._acquire()
+        self.record["turn_wait_s"] += time.perf_counter() - start
+        self.record["windows"].append([time.time(), None])
 
     def give_back(self) -> None:
         if self._lock is None:
             return
-        import fcntl
-
         self.record["window"][1] = time.time()
-        fcntl.flock(self._lock, fcntl.LOCK_UN)
-        self._lock.close()
-        self._lock = None
+        if self.per_turn is not None:
+            self.record["windows"][-1][1] = self.record["window"][1]
+        self._release(done=True)
 
 
 class NotAvailable(RuntimeError):
@@ -570,6 +699,12 @@ class _StepClock:
         self._t0 = time.perf_counter()
         self.compiled_before = compile_seconds() if self.deepcompile else {}
 
+    def _drain(self) -> None:
+        if self.on_gpu:
+            import torch
+
+            torch.cuda.synchronize()
+
     def ready(self, i: int) -> None:
         self._current = {}
         self._timed = i >= self.first_timed
@@ -596,6 +731,8 @@ class _StepClock:
             self.compile_marks["last"] = compile_seconds()
         if i >= self.first_timed:
             self.times.append(elapsed * 1e3)
+            if self.turns is not None:
+                self.turns.step_done(self.total - 1 - i, self._drain)
             if self._unwatch:
                 parts = {k: self._current.get(k, 0.0) * 1e3
                          for k in ("forward", "backward", "step", "gc")}
@@ -736,8 +873,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     import torch
 
     variant = args.variant
+    inductor = apply_inductor_config(args.inductor)
     # Marked at once: a partner that waits for this process learns if it ends before its turn.
-    turns = Turns(*args.take_turns) if args.take_turns is not None else None
+    turns = None
+    if args.take_turns is not None:
+        folder, count, per_turn = args.take_turns
+        turns = Turns(folder, count, per_turn=per_turn)
     deepcompile = variant in DEEPCOMPILE
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     if variant in OURS_DC:
@@ -831,6 +972,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "deepspeed_config": None if variant == "plain" else config,
         "loop": "transformers.Trainer" if variant in TRAINER else "own",
     }
+    if inductor:
+        record["setup"]["inductor"] = inductor
     if deepcompile and args.dc_steps < 7:
         raise SystemExit("--dc-steps must be >= 7: DeepCompile re-plans at its 6th step and the "
                          "steps after it are the timed ones")

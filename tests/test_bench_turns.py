@@ -27,20 +27,25 @@ def _env() -> Dict[str, str]:
     return without_autoload(DS_ACCELERATOR="cpu")
 
 
-def test_two_runs_take_turns_for_their_timed_steps(tmp_path: Path) -> None:
-    turns = tmp_path / "turns"
+def _pair(tmp_path: Path, take_turns: str, steps: int) -> Dict[str, Dict]:
+    """Two eager toy runs (``none`` and ``ours``) started together with ``--take-turns
+    <tmp_path>/turns:<take_turns>``; their records by variant."""
     procs = {}
     for variant in ("none", "ours"):
         procs[variant] = subprocess.Popen(
             [sys.executable, "bench/lora_llama.py", "--variant", variant, "--size", "toy",
-             "--steps", "4", "--warmup", "1", "--seq", "32", "--micro-batch", "1",
-             "--no-track-gathered", "--take-turns", f"{turns}:2", "--run", "pair",
-             "--output", str(tmp_path / f"{variant}.json")],
+             "--steps", str(steps), "--warmup", "1", "--seq", "32", "--micro-batch", "1",
+             "--no-track-gathered", "--take-turns", f"{tmp_path / 'turns'}:{take_turns}",
+             "--run", "pair", "--output", str(tmp_path / f"{variant}.json")],
             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     logs = {v: p.communicate(timeout=600)[0] for v, p in procs.items()}
     for v, p in procs.items():
         assert p.returncode == 0, logs[v][-3000:]
-    records = {v: json.loads((tmp_path / f"{v}.json").read_text()) for v in procs}
+    return {v: json.loads((tmp_path / f"{v}.json").read_text()) for v in procs}
+
+
+def test_two_runs_take_turns_for_their_timed_steps(tmp_path: Path) -> None:
+    records = _pair(tmp_path, "2", steps=4)
     windows = sorted((r["turns"]["window"], v) for v, r in records.items())
     (first, first_v), (second, second_v) = windows
     assert all(w[0] < w[1] for w, _ in windows), windows
@@ -49,6 +54,32 @@ def test_two_runs_take_turns_for_their_timed_steps(tmp_path: Path) -> None:
     assert records[second_v]["turns"]["turn_wait_s"] >= 0.5 * (first[1] - first[0])
     for r in records.values():
         assert r["turns"]["processes"] == 2 and r["step_ms"]["n"] == 4
+
+
+def test_runs_interleave_their_timed_steps_a_turn_at_a_time(tmp_path: Path) -> None:
+    """``DIR:N:K``: K timed steps per turn, the processes alternating in a fixed order, every
+    turn's window apart from the others'."""
+    records = _pair(tmp_path, "2:2", steps=5)
+    spans = sorted((w[0], w[1], v) for v, r in records.items() for w in r["turns"]["windows"])
+    for r in records.values():
+        t = r["turns"]
+        # 5 timed steps at 2 a turn: 3 turns, the last also holding the end of the run.
+        assert t["steps_per_turn"] == 2 and len(t["windows"]) == 3 and r["step_ms"]["n"] == 5
+        assert t["window"] == [t["windows"][0][0], t["windows"][-1][1]]
+    assert all(a[2] != b[2] for a, b in zip(spans, spans[1:])), f"turns did not alternate: {spans}"
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"turns overlap: {spans}"
+
+
+def test_a_partner_that_ends_between_its_turns_fails_the_other(tmp_path: Path) -> None:
+    gone = _ended_pid()
+    t = Turns(tmp_path, 2, timeout=600, per_turn=1)
+    (tmp_path / f"started-{gone}").touch()
+    (tmp_path / f"ready-{gone}").touch()
+    (tmp_path / "ticket").write_text("0" if int(gone) < os.getpid() else "1")  # its turn
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=rf"process {gone} ended between its turns"):
+        t.take()
+    assert time.perf_counter() - start < 30
 
 
 def _ended_pid() -> str:
@@ -106,11 +137,18 @@ def test_one_process_takes_its_turn_at_once_and_gives_it_back(tmp_path: Path) ->
     assert start <= end
 
 
-@pytest.mark.parametrize("bad", ["/tmp/x", "/tmp/x:0", ":2", "/tmp/x:two"])
+@pytest.mark.parametrize("bad", ["/tmp/x", "/tmp/x:0", ":2", "/tmp/x:two", "/tmp/x:2:0"])
 def test_take_turns_wants_a_folder_and_a_count(bad: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         _parse(["--variant", "none", "--output", "x.json", "--take-turns", bad])
-    assert "expected DIR:N with N >= 1" in capsys.readouterr().err
+    assert "expected DIR:N with N >= 1 (or DIR:N:K" in capsys.readouterr().err
+
+
+def test_take_turns_reads_steps_per_turn() -> None:
+    args = _parse(["--variant", "none", "--output", "x.json", "--take-turns", "/tmp/a:b:3:4"])
+    assert args.take_turns == (Path("/tmp/a:b"), 3, 4)
+    assert _parse(["--variant", "none", "--output", "x.json",
+                   "--take-turns", "/tmp/a:3"]).take_turns == (Path("/tmp/a"), 3, None)
 
 
 def test_the_documented_pair_commands_parse() -> None:

@@ -252,3 +252,13 @@ def test_a_rank_error_keeps_the_step_and_why_the_rank_sent() -> None:
     assert _error_of(died, {}, 600)["step"] is None
     timeout = RankError(None, "timeout", "Timeout", "ranks [0, 1] sent nothing for 600 s")
     assert _error_of(timeout, {}, 600)["message"] == "no progress from the ranks for 600 s"
+
+
+def test_the_start_up_line_counts_the_patches_the_summary_names() -> None:
+    from ds_z3native.demo import _fix_shown
+
+    fix = "ds_z3native.install(): deepcompile-z3-declare-frozen, checkpoint-recompute-hardening"
+    assert _fix_shown(fix) == "ds_z3native.install(), 2 patches"
+    assert _fix_shown("ds_z3native.install(): zero3-walks") == "ds_z3native.install(), 1 patch"
+    for unchanged in ("none (--without-fix)", "ds_z3native.install(): no patches"):
+        assert _fix_shown(unchanged) == unchanged

@@ -151,17 +151,21 @@ def test_ds_z3native_set_without_the_startup_hook_fails() -> None:
 
 
 @pytest.mark.deepspeed
-def test_text_report_has_one_aligned_verdict_per_check_and_no_deepspeed_notice() -> None:
+@pytest.mark.parametrize("tables", [False, True], ids=["default", "tables"])
+def test_text_report_has_one_aligned_verdict_per_check_and_no_deepspeed_notice(
+        tables: bool) -> None:
     """As a terminal shows it (stderr and stdout in one stream), with DeepSpeed left to detect
     its accelerator: between the title and the closing line there are only verdict lines and
     their fixes; every label fits the label column, two spaces before each detail; DeepSpeed's
     'Setting accelerator to CPU' notice is not among them and the deepspeed line names the
-    accelerator DeepSpeed chose."""
+    accelerator DeepSpeed chose. The fingerprints' table follows its verdict with ``--tables``,
+    or when that verdict is not PASS."""
     from ds_z3native.doctor import LABEL_WIDTH, LABELS
 
     env = _env()
     env.pop("DS_ACCELERATOR", None)
-    r = subprocess.run([sys.executable, "-m", "ds_z3native", "doctor", "--no-selftest"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "ds_z3native", "doctor", "--no-selftest"]
+                       + (["--tables"] if tables else []), cwd=ROOT,
                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=TIMEOUT)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-6000:]}"
@@ -176,10 +180,15 @@ def test_text_report_has_one_aligned_verdict_per_check_and_no_deepspeed_notice()
     assert verdicts and all(re.match(r"\[(PASS|WARN|FAIL)\] ", ln) for ln in verdicts), body
     fingerprints = next(i for i, ln in enumerate(body) if ln[7:detail_at].rstrip()
                         == "patch fingerprints")
-    assert body[fingerprints + 1].split() [:3] == ["patch", "target", "fingerprint"], body
-    rows = [ln.split() for ln in body[fingerprints + 2:] if ln.startswith(" " * detail_at)
-            and not ln.strip().startswith("-> ")]
-    assert rows and all(row[2] in ("matches", "unverified", "REFUSED") for row in rows), rows
+    if tables or not body[fingerprints].startswith("[PASS]"):
+        header = next(ln for ln in body[fingerprints + 1:] if not ln.strip().startswith("-> "))
+        assert header.split()[:3] == ["patch", "target", "fingerprint"], body
+        rows = [ln.split() for ln in body[body.index(header) + 1:]
+                if ln.startswith(" " * detail_at) and not ln.strip().startswith("-> ")]
+        assert rows and all(row[2] in ("matches", "unverified", "REFUSED") for row in rows), rows
+    else:  # all match: the verdict's count says so, no table
+        assert re.search(r": (\d+) match the fingerprints", body[fingerprints]), body[fingerprints]
+        assert not body[fingerprints + 1].startswith(" " * detail_at), body
     for ln in verdicts:
         assert ln[7:detail_at].rstrip() in LABELS, ln
         assert ln[detail_at - 2:detail_at] == "  " and ln[detail_at] != " ", ln
@@ -245,8 +254,10 @@ def test_fingerprint_table_names_each_patch_target_and_a_replaced_one_fails(
     deepspeed_rows = [row for row in check.table[1:] if row[1].startswith("deepspeed.")]
     assert deepspeed_rows and all(row[2] == "matches" for row in deepspeed_rows), check.table
     assert check.status in ("PASS", "WARN"), check
-    assert "patch fingerprints" in format_check(check) and "DeepSpeedEngine.forward" in \
-        format_check(check)
+    shown = format_check(check, tables=True)
+    assert "patch fingerprints" in shown and "DeepSpeedEngine.forward" in shown
+    # Without --tables the table follows a WARN only; a PASS is its one line.
+    assert ("DeepSpeedEngine.forward" in format_check(check)) == (check.status == "WARN")
 
     monkeypatch.setattr(DeepSpeedEngine, "forward", lambda self, *a, **k: None)
     check = _check_fingerprints(version)
@@ -254,3 +265,4 @@ def test_fingerprint_table_names_each_patch_target_and_a_replaced_one_fails(
     row = next(r for r in check.table if r[1] == "deepspeed.runtime.engine:DeepSpeedEngine.forward")
     assert row[0] == "deepcompile-z3-eager-gather" and row[2] == "REFUSED (replaced)", row
     assert f"{UNVERIFIED_ENV}=deepcompile-z3-eager-gather" in check.fix
+    assert "REFUSED (replaced)" in format_check(check)  # a FAIL shows its table

@@ -61,7 +61,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import format_check, format_report, run_doctor
 
     def show(check: object) -> None:
-        print(format_check(check), flush=True)  # type: ignore[arg-type]
+        print(format_check(check, tables=args.tables), flush=True)  # type: ignore[arg-type]
 
     if not args.json:
         print("ds-z3native doctor", flush=True)
@@ -157,6 +157,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-selftest", action="store_true", help="skip the gloo self-test")
     p.add_argument("--ranks", type=int, default=2, help="ranks of the self-test (default 2)")
+    p.add_argument("--tables", action="store_true",
+                   help="print each check's table (the patch fingerprints, one row per patch "
+                        "target) under a PASS too, not only under a WARN or FAIL")
     p.set_defaults(func=_cmd_doctor)
     sub.add_parser("bench", help="run the benchmark suite of a source checkout "
                                  "(ds-z3native bench --help; same as python -m bench)")

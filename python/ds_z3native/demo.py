@@ -385,7 +385,7 @@ def run_demo(opts: DemoOptions, stream: Optional[TextIO] = None) -> DemoResult:
             result.replan_steps = list(event.get("replan_steps", []))
             bar.write(f"DeepSpeed {result.deepspeed_version}, torch "
                       f"{result.torch_version}; Llama '{opts.model_size}' with LoRA, ZeRO-3, non-reentrant "
-                      f"checkpointing; fix: {result.fix} (set-up "
+                      f"checkpointing; fix: {_fix_shown(result.fix)} (set-up "
                       f"{result.setup_seconds:.1f} s)")
         elif kind == "step":
             result.losses.append(event["loss"])
@@ -465,6 +465,16 @@ def _step_time(result: DemoResult) -> str:
     steady = times[start:]
     steps = f"step {start + 1}" if len(steady) == 1 else f"steps {start + 1}-{len(times)}"
     return f"{statistics.median(steady):.3f} s median of {steps} ({', '.join(slow)})"
+
+
+def _fix_shown(fix: str) -> str:
+    """The fix as the start-up line shows it: the number of patches ``install()`` applied (the
+    summary's ``fix`` row names them)."""
+    head, sep, names = fix.partition("ds_z3native.install(): ")
+    if head or not sep or names == "no patches":
+        return fix
+    n = len(names.split(", "))
+    return f"ds_z3native.install(), {n} patch{'' if n == 1 else 'es'}"
 
 
 def format_summary(result: DemoResult) -> str:

@@ -521,14 +521,15 @@ LABELS = ("python", "torch", "cuda", "nccl", "native extension", "deepspeed",
 LABEL_WIDTH = max(len(label) for label in LABELS)
 
 
-def format_check(check: DoctorCheck, width: int = LABEL_WIDTH) -> str:
+def format_check(check: DoctorCheck, width: int = LABEL_WIDTH, tables: bool = False) -> str:
     """One verdict line (label column ``width`` wide, then two spaces), plus the fix for WARN
-    and FAIL and the check's table (if any) under the detail."""
+    and FAIL and the check's table (if any) under the detail: for a WARN or FAIL, or for any
+    verdict with ``tables``."""
     line = f"[{check.status}] {check.name.ljust(width)}  {check.detail}"
     indent = " " * (len(check.status) + 3 + width + 2)
     if check.status != Status.PASS and check.fix:
         line += f"\n{indent}-> {check.fix}"
-    if check.table:
+    if check.table and (tables or check.status != Status.PASS):
         widths = [max(len(row[i]) for row in check.table) for i in range(len(check.table[0]) - 1)]
         for row in check.table:
             cells = [cell.ljust(w) for cell, w in zip(row, widths)] + row[len(widths):]

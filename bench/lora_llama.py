@@ -361,8 +361,11 @@ class Turns:
             ticket = 0
         done = set(self._pids("done"))
         n = len(self._order)
-        return next((self._order[(ticket + j) % n] for j in range(n)
-                     if self._order[(ticket + j) % n] not in done), "")
+        for j in range(n):
+            pid = self._order[(ticket + j) % n]
+            if pid not in done:
+                return pid
+        return ""
 
     def _acquire(self) -> None:
         import fcntl

@@ -253,9 +253,7 @@ void Runtime::setPersistent(int64_t ds_id)
         // being gathered and released at each use.
         // Bytes the kept copy takes beyond the shard: none where the copy is the shard.
         const int64_t bytes =
-            gatherer_.aliasesShard(p, p.shard.scalar_type())
-                ? 0
-                : p.layout.padded * static_cast<int64_t>(p.shard.element_size());
+            gatherer_.aliasesShard(p, p.shard.scalar_type()) ? 0 : p.paddedShardBytes();
         const auto& budget = persistence_.budget_bytes;
         if (budget && persistence_.selected_bytes + bytes > *budget) {
             persistence_.declined += 1;

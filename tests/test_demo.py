@@ -258,7 +258,7 @@ def test_the_start_up_line_counts_the_patches_the_summary_names() -> None:
     from ds_z3native.demo import _fix_shown
 
     fix = "ds_z3native.install(): deepcompile-z3-declare-frozen, checkpoint-recompute-hardening"
-    assert _fix_shown(fix) == "ds_z3native.install(), 2 patches"
-    assert _fix_shown("ds_z3native.install(): zero3-walks") == "ds_z3native.install(), 1 patch"
+    assert _fix_shown(fix, 2) == "ds_z3native.install(), 2 patches"
+    assert _fix_shown("ds_z3native.install(): zero3-walks", 1) == "ds_z3native.install(), 1 patch"
     for unchanged in ("none (--without-fix)", "ds_z3native.install(): no patches"):
-        assert _fix_shown(unchanged) == unchanged
+        assert _fix_shown(unchanged, 0) == unchanged

@@ -76,7 +76,7 @@ void Gatherer::useShard(ParamEntry& p)
     // Counted as the gather it stands for, as the reducer counts its reduce-scatters on one
     // rank: comm_stats() reads the same at every world size.
     stats_.allgather_calls += 1;
-    stats_.allgather_bytes += p.layout.padded * static_cast<int64_t>(p.shard.element_size());
+    stats_.allgather_bytes += p.paddedShardBytes();
 }
 
 at::Tensor Gatherer::prepareBuffer(ParamEntry& p, at::ScalarType dtype)

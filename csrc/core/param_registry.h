@@ -58,6 +58,11 @@ struct ParamEntry {
     bool hasGradBuffer() const { return grad_buffer.defined() && grad_buffer.numel() > 0; }
     // Elements of the gradient buffer a reduced gradient needs.
     int64_t requiredGradNumel() const { return partitioned ? layout.per_rank : 0; }
+    // Bytes of a full padded copy in the shard's dtype (what keeping one gathered takes).
+    int64_t paddedShardBytes() const
+    {
+        return layout.padded * static_cast<int64_t>(shard.element_size());
+    }
     // Elements its gradient takes in a reduce bucket (ZeRO-3: the padded length).
     int64_t slotNumel() const { return partitioned ? layout.padded : numel; }
 };

@@ -192,10 +192,11 @@ def _rank_main(rank: int, world: int, cuda: bool, opts: DemoOptions) -> None:
             if ds_z3native.installed():
                 raise RuntimeError("--without-fix, but ds_z3native is already installed in "
                                    "this process")
-            fix = "none (--without-fix)"
+            fix, n_patches = "none (--without-fix)", 0
         else:
             report = ds_z3native.install()
             fix = "ds_z3native.install(): " + (", ".join(report.patches) or "no patches")
+            n_patches = len(report.patches)
 
         from .models import build_lora_llama, synthetic_batch
 
@@ -213,7 +214,8 @@ def _rank_main(rank: int, world: int, cuda: bool, opts: DemoOptions) -> None:
         device = engine.device
         if rank == 0:
             send({"kind": "ready", "deepspeed": ds_version, "torch": torch.__version__,
-                  "fix": fix, "params": counts["params"], "trainable": counts["trainable"],
+                  "fix": fix, "patches": n_patches, "params": counts["params"],
+                  "trainable": counts["trainable"],
                   "memory_kind": "max GPU memory allocated" if cuda else "peak RSS",
                   "replan_steps": replan})
         for step in range(opts.steps):
@@ -385,7 +387,7 @@ def run_demo(opts: DemoOptions, stream: Optional[TextIO] = None) -> DemoResult:
             result.replan_steps = list(event.get("replan_steps", []))
             bar.write(f"DeepSpeed {result.deepspeed_version}, torch "
                       f"{result.torch_version}; Llama '{opts.model_size}' with LoRA, ZeRO-3, non-reentrant "
-                      f"checkpointing; fix: {_fix_shown(result.fix)} (set-up "
+                      f"checkpointing; fix: {_fix_shown(result.fix, event['patches'])} (set-up "
                       f"{result.setup_seconds:.1f} s)")
         elif kind == "step":
             result.losses.append(event["loss"])
@@ -467,14 +469,12 @@ def _step_time(result: DemoResult) -> str:
     return f"{statistics.median(steady):.3f} s median of {steps} ({', '.join(slow)})"
 
 
-def _fix_shown(fix: str) -> str:
+def _fix_shown(fix: str, patches: int) -> str:
     """The fix as the start-up line shows it: the number of patches ``install()`` applied (the
-    summary's ``fix`` row names them)."""
-    head, sep, names = fix.partition("ds_z3native.install(): ")
-    if head or not sep or names == "no patches":
+    summary's ``fix`` row names them); ``fix`` itself where none were."""
+    if not patches:
         return fix
-    n = len(names.split(", "))
-    return f"ds_z3native.install(), {n} patch{'' if n == 1 else 'es'}"
+    return f"ds_z3native.install(), {patches} patch{'' if patches == 1 else 'es'}"
 
 
 def format_summary(result: DemoResult) -> str:

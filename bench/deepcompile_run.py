@@ -36,6 +36,7 @@ and, with ds_z3native, what its DeepCompile patches did (hooks removed, eager-fa
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import datetime
 import faulthandler
@@ -47,7 +48,7 @@ import threading
 import time
 import traceback
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 log = logging.getLogger("bench.deepcompile_run")
 
@@ -55,6 +56,40 @@ WIDTH = 64
 BATCH = 8
 _WATCHDOG_OUT = None  # where the watchdog writes (kept open for the process's life)
 _GIL_BACKSTOP_S = 60.0  # faulthandler's timer fires this long after the watchdog thread's
+
+
+def inductor_arg(text: str) -> "tuple[str, Any]":
+    """``NAME=VALUE`` -> (NAME, VALUE as a Python literal, else the text)."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (a torch._inductor.config "
+                                         f"setting), got {text!r}")
+    try:
+        value: Any = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    return name.strip(), value
+
+
+def apply_inductor_config(settings: Sequence["tuple[str, Any]"]) -> Dict[str, Any]:
+    """Sets each ``torch._inductor.config`` NAME (dotted for a sub-config) to its value; returns
+    what each reads back. An unknown name raises ValueError naming it."""
+    from torch._inductor import config
+
+    applied: Dict[str, Any] = {}
+    for name, value in settings:
+        *path, last = name.split(".")
+        target: Any = config
+        try:
+            for part in path:
+                target = getattr(target, part)
+            getattr(target, last)
+            setattr(target, last, value)
+        except AttributeError:
+            raise ValueError(f"--inductor {name}={value!r}: torch._inductor.config has no "
+                             f"setting {name!r}") from None
+        applied[name] = getattr(target, last)
+    return applied
 
 
 def deepcompile_pass_seconds() -> Optional[List[Dict[str, Any]]]:
@@ -394,6 +429,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
             ds_z3native.set_group_reduce(False)
         if args.single_cycle:
             ds_z3native.set_single_cycle(True)
+    if args.inductor:
+        result["inductor"] = apply_inductor_config(args.inductor)
     if args.time_scheduler:
         result["scheduler"] = []
         time_scheduler(result["scheduler"])
@@ -493,6 +530,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     # Inductor's FX-graph cache outcomes: whether a warm cache directory served the graphs.
     result["compile_caches"] = {k: int(v) for k, v in sorted(counters["inductor"].items())
                                 if k.startswith("fxgraph_cache")}
+    # Inductor's CUDA-graph outcomes (with --inductor triton.cudagraphs=True): graphs it skipped.
+    result["cudagraphs"] = {k: int(v) for k, v in sorted(counters["inductor"].items())
+                            if k.startswith("cudagraph")}
     if args.native == "ours":
         from ds_z3native.compat.deepcompile_eager import eager_gather_of
         from ds_z3native.compat.deepcompile_graph_ids import cache_bypasses
@@ -751,6 +791,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--skip-patch", action="append", default=[], metavar="NAME",
                         help="with ds_z3native: leave this compat patch out (repeatable), e.g. "
                              "deepcompile-z3-eager-gather")
+    parser.add_argument("--inductor", type=inductor_arg, action="append", default=[],
+                        metavar="NAME=VALUE",
+                        help="set torch._inductor.config.NAME (dotted: triton.cudagraphs) to VALUE "
+                             "(a Python literal, else the text) before anything compiles; "
+                             "repeatable; the result's inductor keeps what was set")
     parser.add_argument("--eval-between", action="store_true",
                         help="run a no-grad forward between each forward and its backward")
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",

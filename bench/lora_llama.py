@@ -118,11 +118,13 @@ from packaging.version import Version
 
 try:  # run as bench/lora_llama.py, its folder is on the path; imported as bench.lora_llama
     from bench.conditions import GpuConditions
-    from bench.deepcompile_run import GcClock, deepcompile_pass_seconds
+    from bench.deepcompile_run import (GcClock, apply_inductor_config, deepcompile_pass_seconds,
+                                       inductor_arg)
     from bench.trace_breakdown import breakdown_file
 except ImportError:
     from conditions import GpuConditions
-    from deepcompile_run import GcClock, deepcompile_pass_seconds
+    from deepcompile_run import (GcClock, apply_inductor_config, deepcompile_pass_seconds,
+                                 inductor_arg)
     from trace_breakdown import breakdown_file
 
 log = logging.getLogger("bench.lora_llama")
@@ -200,7 +202,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="one of N processes started together: compile alongside the others, "
                         "then run the timed steps one process at a time (lock in DIR); with K, "
                         "K timed steps per turn, the N processes taking turns in a fixed order")
-    p.add_argument("--inductor", type=_inductor_arg, action="append", default=[],
+    p.add_argument("--inductor", type=inductor_arg, action="append", default=[],
                    metavar="NAME=VALUE",
                    help="set torch._inductor.config.NAME (dotted: triton.cudagraphs) to VALUE (a "
                         "Python literal, else the text) before anything compiles; repeatable; "
@@ -230,42 +232,6 @@ def _turns_arg(text: str) -> "tuple[Path, int, Optional[int]]":
         raise argparse.ArgumentTypeError(
             f"expected DIR:N with N >= 1 (or DIR:N:K, K >= 1 timed steps per turn), got {text!r}")
     return Path(folder), count, per_turn
-
-
-def _inductor_arg(text: str) -> "tuple[str, Any]":
-    """``NAME=VALUE`` -> (NAME, VALUE as a Python literal, else the text)."""
-    import ast
-
-    name, sep, raw = text.partition("=")
-    if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (a torch._inductor.config "
-                                         f"setting), got {text!r}")
-    try:
-        value: Any = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        value = raw
-    return name.strip(), value
-
-
-def apply_inductor_config(settings: Sequence["tuple[str, Any]"]) -> Dict[str, Any]:
-    """Sets each ``torch._inductor.config`` NAME (dotted for a sub-config) to its value; returns
-    what each reads back. An unknown name raises ValueError naming it."""
-    from torch._inductor import config
-
-    applied: Dict[str, Any] = {}
-    for name, value in settings:
-        *path, last = name.split(".")
-        target: Any = config
-        try:
-            for part in path:
-                target = getattr(target, part)
-            getattr(target, last)
-            setattr(target, last, value)
-        except AttributeError:
-            raise ValueError(f"--inductor {name}={value!r}: torch._inductor.config has no "
-                             f"setting {name!r}") from None
-        applied[name] = getattr(target, last)
-    return applied
 
 
 def _alive(pid: str) -> bool:

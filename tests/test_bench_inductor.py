@@ -58,3 +58,23 @@ def test_an_unknown_setting_is_refused_by_name(name: str) -> None:
             apply_inductor_config([("triton.cudagraphs", True), (name, 1)])
     finally:
         config.load_config(saved)
+
+
+def test_the_deepcompile_runner_takes_the_same_settings() -> None:
+    # bench/deepcompile_run.py (the GPU tests' runner) shares the option: a setting is applied and
+    # kept in the result; an unknown one ends the run with the error naming it.
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.dc_runner import run_together
+
+    base = ("--mode", "eager", "--native", "deepspeed", "--model", "frozen-linear")
+    results = run_together(
+        {"set": ((*base, "--inductor", "triton.cudagraphs=True", "--inductor", "cpp_wrapper=1"), 1),
+         "unknown": ((*base, "--inductor", "triton.no_such_setting=1"), 1)},
+        env={"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+    ok = results["set"]
+    assert "error" not in ok, ok.get("error")
+    assert ok["inductor"] == {"triton.cudagraphs": True, "cpp_wrapper": 1}
+    assert len(ok["losses"]) == 1
+    bad = results["unknown"]
+    assert "torch._inductor.config has no setting 'triton.no_such_setting'" in bad.get("error", ""), bad
+    assert bad["losses"] == []

@@ -184,3 +184,43 @@ def test_the_schemas_are_deepspeeds_text() -> None:
 ])
 def test_graph_id_position(schema: str, position: int) -> None:
     assert graph_id_position(dc_ops.parse_schema(schema)[1]) == position
+
+
+# ---- CUDA graphs ------------------------------------------------------------------------------
+
+def _native_ops() -> Dict[str, "torch._ops.OpOverload"]:
+    """Every op ``_C`` defines, dc::* and ds_z3native::*, by qualified name."""
+    ds_z3native.native()
+    ops = {f"dc::{op.name}": getattr(torch.ops.dc, op.name).default for op in DC_OPS}
+    for name in ("gather_persistent", "reduce_grads"):
+        ops[f"ds_z3native::{name}"] = getattr(torch.ops.ds_z3native, name).default
+    return ops
+
+
+def test_every_native_op_is_tagged_cudagraph_unsafe() -> None:
+    # Each op changes host-side state a CUDA graph's replay would skip (the registry, the use
+    # counts, a collective on another stream): inductor must never record one.
+    untagged = sorted(name for name, op in _native_ops().items()
+                      if torch.Tag.cudagraph_unsafe not in op.tags)
+    assert untagged == []
+
+
+def test_inductor_keeps_a_graph_with_dc_ops_out_of_cuda_graphs() -> None:
+    # The check inductor's cudagraph trees run on a graph before recording it (and the reason
+    # graph_partition splits at a node): it must stop at the dc op, not record past it.
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    _native_ops()
+    graph = torch.fx.Graph()
+    shard = graph.placeholder("shard")
+    gathered = graph.call_function(torch.ops.dc.allgather_param.default, (shard, 0, 3))
+    doubled = graph.call_function(torch.ops.aten.mul.Tensor, (gathered, 2.0))
+    released = graph.call_function(torch.ops.dc.release_param.default, (doubled, 0, 3, 1))
+    graph.output(released)
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert get_first_incompatible_cudagraph_node(module) is gathered
+
+    plain = torch.fx.Graph()
+    x = plain.placeholder("x")
+    plain.output(plain.call_function(torch.ops.aten.mul.Tensor, (x, 2.0)))
+    assert get_first_incompatible_cudagraph_node(torch.fx.GraphModule(torch.nn.Module(), plain)) is None

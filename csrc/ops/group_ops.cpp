@@ -20,6 +20,7 @@
 
 #include "core/check.h"
 #include "ops/kernels.h"
+#include "ops/op_tags.h"
 #include "python_gil.h"
 #include "runtime.h"
 
@@ -98,8 +99,10 @@ at::Tensor reduce_grads_meta(int64_t graph_id, at::TensorList grads, at::IntArra
 TORCH_LIBRARY(ds_z3native, m)
 {
     m.def("gather_persistent(int graph_id, Tensor[] params, int[] ids, ScalarType[]? dtypes=None)"
-          " -> Tensor[]");
-    m.def("reduce_grads(int graph_id, Tensor[] grads, int[] ids) -> Tensor");
+          " -> Tensor[]",
+          dsz::ops::hostStatefulOpTags());
+    m.def("reduce_grads(int graph_id, Tensor[] grads, int[] ids) -> Tensor",
+          dsz::ops::hostStatefulOpTags());
 }
 
 // One kernel for every device: the runtime's backend decides what runs where.

@@ -2,6 +2,8 @@
 // text for text).
 #include <torch/library.h>
 
+#include "ops/op_tags.h"
+
 namespace {
 
 // Whether `schema` defines the operator `name` (the list's name column and the schema's name
@@ -25,7 +27,7 @@ constexpr bool definesOp(const char* schema, const char* name)
 
 TORCH_LIBRARY(dc, m)
 {
-#define DC_OP(name, schema, meta) m.def(schema);
+#define DC_OP(name, schema, meta) m.def(schema, dsz::ops::hostStatefulOpTags());
 #include "ds_z3native/dc_ops.def"
 #undef DC_OP
 }

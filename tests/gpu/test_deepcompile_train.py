@@ -34,6 +34,13 @@ RUNS: Dict[str, Tuple[str, ...]] = {
     "frozen-linear-bf16-eager": (*_EAGER, "--model", "frozen-linear", "--dtype", "bf16"),
     "reuse3-fp32-dc": (*_DC, "--model", "reuse3", "--dtype", "fp32"),
     "reuse3-fp32-eager": (*_EAGER, "--model", "reuse3", "--dtype", "fp32"),
+    # Inductor's CUDA graphs: the whole graph (each calls dc ops, which are cudagraph_unsafe, so
+    # inductor must skip it), and graph partitions (recorded between the dc op calls).
+    "frozen-linear-fp32-dc-cudagraphs": (*_DC, "--model", "frozen-linear", "--dtype", "fp32",
+                                         "--inductor", "triton.cudagraphs=True"),
+    "frozen-linear-fp32-dc-partitions": (*_DC, "--model", "frozen-linear", "--dtype", "fp32",
+                                         "--inductor", "triton.cudagraphs=True",
+                                         "--inductor", "graph_partition=True"),
     "frozen-linear-unfreeze-dc": (*_DC, "--model", "frozen-linear", "--dtype", "fp32",
                                   "--unfreeze-after", "2"),
 }
@@ -123,6 +130,21 @@ def test_minimal_repro_trains_under_deepcompile_and_matches_eager(runs: Dict[str
 def test_frozen_layer_used_three_times_matches_eager(runs: Dict[str, Any]) -> None:
     compiled, eager = _check_training(runs, "reuse3-fp32")
     _assert_matches(compiled, eager, FP32_RTOL, FP32_ATOL)
+
+
+@pytest.mark.parametrize("setting", ["cudagraphs", "partitions"])
+def test_inductor_cuda_graphs_never_record_a_dc_op(runs: Dict[str, Any], setting: str) -> None:
+    """With inductor's CUDA graphs on, training still matches eager: a recorded dc op would
+    replay its device work without its host side (the registry's gathered state, the reducer's
+    buckets), so the gradients or the gathers would go wrong. The dc ops are tagged
+    cudagraph_unsafe: inductor skips a graph that calls one, or records only what lies between
+    the calls (graph_partition)."""
+    compiled = _trained(runs[f"frozen-linear-fp32-dc-{setting}"])
+    assert compiled["inductor"]["triton.cudagraphs"] is True
+    if setting == "cudagraphs":
+        assert compiled["cudagraphs"].get("cudagraph_skips", 0) >= 1, compiled["cudagraphs"]
+    _assert_matches(compiled, _trained(runs["frozen-linear-fp32-eager"]), FP32_RTOL, FP32_ATOL)
+    print(f"\n[{setting}] inductor's counters {compiled['cudagraphs']}")
 
 
 def test_deepcompiles_passes_run_with_the_heap_frozen(runs: Dict[str, Any]) -> None:

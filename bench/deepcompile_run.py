@@ -530,7 +530,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     # Inductor's FX-graph cache outcomes: whether a warm cache directory served the graphs.
     result["compile_caches"] = {k: int(v) for k, v in sorted(counters["inductor"].items())
                                 if k.startswith("fxgraph_cache")}
-    # Inductor's CUDA-graph outcomes (with --inductor triton.cudagraphs=True): graphs it skipped.
+    # Inductor's CUDA-graph counters (with --inductor triton.cudagraphs=True): graphs it skipped,
+    # graphs it split at the ops it must not record (partitions), inputs it copies in.
     result["cudagraphs"] = {k: int(v) for k, v in sorted(counters["inductor"].items())
                             if k.startswith("cudagraph")}
     if args.native == "ours":

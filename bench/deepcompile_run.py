@@ -58,7 +58,7 @@ _WATCHDOG_OUT = None  # where the watchdog writes (kept open for the process's l
 _GIL_BACKSTOP_S = 60.0  # faulthandler's timer fires this long after the watchdog thread's
 
 
-def inductor_arg(text: str) -> "tuple[str, Any]":
+def _inductor_arg(text: str) -> "tuple[str, Any]":
     """``NAME=VALUE`` -> (NAME, VALUE as a Python literal, else the text)."""
     name, sep, raw = text.partition("=")
     if not sep or not name.strip():
@@ -69,6 +69,16 @@ def inductor_arg(text: str) -> "tuple[str, Any]":
     except (ValueError, SyntaxError):
         value = raw
     return name.strip(), value
+
+
+def add_inductor_option(parser: argparse.ArgumentParser, kept_in: str) -> None:
+    """``--inductor NAME=VALUE`` (repeatable, into ``args.inductor``); ``kept_in`` says where the
+    run's output keeps what was set."""
+    parser.add_argument("--inductor", type=_inductor_arg, action="append", default=[],
+                        metavar="NAME=VALUE",
+                        help="set torch._inductor.config.NAME (dotted: triton.cudagraphs) to VALUE "
+                             "(a Python literal, else the text) before anything compiles; "
+                             f"repeatable; kept in {kept_in}")
 
 
 def apply_inductor_config(settings: Sequence["tuple[str, Any]"]) -> Dict[str, Any]:
@@ -792,11 +802,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--skip-patch", action="append", default=[], metavar="NAME",
                         help="with ds_z3native: leave this compat patch out (repeatable), e.g. "
                              "deepcompile-z3-eager-gather")
-    parser.add_argument("--inductor", type=inductor_arg, action="append", default=[],
-                        metavar="NAME=VALUE",
-                        help="set torch._inductor.config.NAME (dotted: triton.cudagraphs) to VALUE "
-                             "(a Python literal, else the text) before anything compiles; "
-                             "repeatable; the result's inductor keeps what was set")
+    add_inductor_option(parser, "the result's inductor")
     parser.add_argument("--eval-between", action="store_true",
                         help="run a no-grad forward between each forward and its backward")
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",

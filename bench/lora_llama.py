@@ -118,13 +118,13 @@ from packaging.version import Version
 
 try:  # run as bench/lora_llama.py, its folder is on the path; imported as bench.lora_llama
     from bench.conditions import GpuConditions
-    from bench.deepcompile_run import (GcClock, apply_inductor_config, deepcompile_pass_seconds,
-                                       inductor_arg)
+    from bench.deepcompile_run import (GcClock, add_inductor_option, apply_inductor_config,
+                                       deepcompile_pass_seconds)
     from bench.trace_breakdown import breakdown_file
 except ImportError:
     from conditions import GpuConditions
-    from deepcompile_run import (GcClock, apply_inductor_config, deepcompile_pass_seconds,
-                                 inductor_arg)
+    from deepcompile_run import (GcClock, add_inductor_option, apply_inductor_config,
+                                 deepcompile_pass_seconds)
     from trace_breakdown import breakdown_file
 
 log = logging.getLogger("bench.lora_llama")
@@ -202,11 +202,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="one of N processes started together: compile alongside the others, "
                         "then run the timed steps one process at a time (lock in DIR); with K, "
                         "K timed steps per turn, the N processes taking turns in a fixed order")
-    p.add_argument("--inductor", type=inductor_arg, action="append", default=[],
-                   metavar="NAME=VALUE",
-                   help="set torch._inductor.config.NAME (dotted: triton.cudagraphs) to VALUE (a "
-                        "Python literal, else the text) before anything compiles; repeatable; "
-                        "kept in the record's setup.inductor")
+    add_inductor_option(p, "the record's setup.inductor")
     p.add_argument("--remark", default=None, metavar="TEXT",
                    help="what sets this run apart from others of its variant and label that the "
                         "setup does not say (another build of ds_z3native, say); kept in the "

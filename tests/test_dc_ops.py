@@ -21,6 +21,7 @@ import torch
 import ds_z3native
 from ds_z3native import dc_ops
 from ds_z3native.compat.contract import NATIVE_SCHEMAS, read_deepspeed_interface
+from ds_z3native.compat.deepcompile_graph_ids import OWN_GRAPH_ID_ARG
 from ds_z3native.dc_ops import DC_OPS, Argument, OpListError, graph_id_position, load_op_list
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,7 +193,7 @@ def _native_ops() -> Dict[str, "torch._ops.OpOverload"]:
     """Every op ``_C`` defines, dc::* and ds_z3native::*, by qualified name."""
     ds_z3native.native()
     ops = {f"dc::{op.name}": getattr(torch.ops.dc, op.name).default for op in DC_OPS}
-    for name in ("gather_persistent", "reduce_grads"):
+    for name in OWN_GRAPH_ID_ARG:  # ds_z3native::'s ops of _C
         ops[f"ds_z3native::{name}"] = getattr(torch.ops.ds_z3native, name).default
     return ops
 

@@ -81,6 +81,30 @@ def add_inductor_option(parser: argparse.ArgumentParser, kept_in: str) -> None:
                              f"repeatable; kept in {kept_in}")
 
 
+def add_skip_patch_option(parser: argparse.ArgumentParser, kept_in: str) -> None:
+    """``--skip-patch NAME`` (repeatable, into ``args.skip_patch``); ``kept_in`` says where the
+    run's output keeps it."""
+    parser.add_argument("--skip-patch", action="append", default=[], metavar="NAME",
+                        help="with ds_z3native: leave this compat patch out (repeatable), e.g. "
+                             f"deepcompile-attention-rng; kept in {kept_in}")
+
+
+def skip_patches(names: Sequence[str]) -> None:
+    """Make ``ds_z3native.install()`` in this process leave the patches ``names`` out (before it
+    runs). A name no patch has raises ValueError naming it and the known ones."""
+    if not names:
+        return
+    from ds_z3native.compat import registry
+
+    every = registry.all_patches
+    known = {p.name for p in every()}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(f"--skip-patch {', '.join(unknown)}: no such ds_z3native patch (known: "
+                         f"{', '.join(sorted(known))})")
+    registry.all_patches = lambda: [p for p in every() if p.name not in names]
+
+
 def apply_inductor_config(settings: Sequence["tuple[str, Any]"]) -> Dict[str, Any]:
     """Sets each ``torch._inductor.config`` NAME (dotted for a sub-config) to its value; returns
     what each reads back. An unknown name raises ValueError naming it."""
@@ -425,11 +449,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         if args.no_deepspeed_fallback:
             # The fallback is turned off (its method replaced): nothing for the patch of its walks.
             args.skip_patch = [*args.skip_patch, "deepcompile-z3-fallback-module-list"]
-        if args.skip_patch:
-            from ds_z3native.compat import registry
-
-            every = registry.all_patches
-            registry.all_patches = lambda: [p for p in every() if p.name not in args.skip_patch]
+        skip_patches(args.skip_patch)
         if args.no_deepspeed_fallback:
             _disable_deepspeed_eager_fallback()
         result["install"] = ds_z3native.install().__dict__
@@ -570,6 +590,9 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         from ds_z3native.compat.deepcompile_reduce_group import reduce_group_stats
 
         result["reduce_group"] = reduce_group_stats()
+        from ds_z3native.compat.deepcompile_inductor_calls import inductor_calls_stats
+
+        result["inductor_calls"] = inductor_calls_stats()
         from ds_z3native.compat.zero3_grad_norm import flat_norm_counts
 
         result["flat_grad_norm"] = flat_norm_counts()
@@ -799,9 +822,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         default="none", help="llama: HF gradient checkpointing")
     parser.add_argument("--eager-stage", type=int, choices=[0, 3], default=0,
                         help="ZeRO stage of --mode eager")
-    parser.add_argument("--skip-patch", action="append", default=[], metavar="NAME",
-                        help="with ds_z3native: leave this compat patch out (repeatable), e.g. "
-                             "deepcompile-z3-eager-gather")
+    add_skip_patch_option(parser, "the result's args.skip_patch")
     add_inductor_option(parser, "the result's inductor")
     parser.add_argument("--eval-between", action="store_true",
                         help="run a no-grad forward between each forward and its backward")

@@ -118,12 +118,14 @@ from packaging.version import Version
 
 try:  # run as bench/lora_llama.py, its folder is on the path; imported as bench.lora_llama
     from bench.conditions import GpuConditions
-    from bench.deepcompile_run import (GcClock, add_inductor_option, apply_inductor_config,
+    from bench.deepcompile_run import (GcClock, add_inductor_option, add_skip_patch_option,
+                                       apply_inductor_config, skip_patches,
                                        deepcompile_pass_seconds)
     from bench.trace_breakdown import breakdown_file
 except ImportError:
     from conditions import GpuConditions
-    from deepcompile_run import (GcClock, add_inductor_option, apply_inductor_config,
+    from deepcompile_run import (GcClock, add_inductor_option, add_skip_patch_option,
+                                 apply_inductor_config, skip_patches,
                                  deepcompile_pass_seconds)
     from trace_breakdown import breakdown_file
 
@@ -203,6 +205,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                         "then run the timed steps one process at a time (lock in DIR); with K, "
                         "K timed steps per turn, the N processes taking turns in a fixed order")
     add_inductor_option(p, "the record's setup.inductor")
+    add_skip_patch_option(p, "the record's setup.skipped_patches")
     p.add_argument("--remark", default=None, metavar="TEXT",
                    help="what sets this run apart from others of its variant and label that the "
                         "setup does not say (another build of ds_z3native, say); kept in the "
@@ -849,6 +852,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if variant in OURS_DC:
         import ds_z3native  # before DeepSpeed builds anything: its loader gets our op
 
+        skip_patches(args.skip_patch)
         ds_z3native.install()
         if variant in ("dc-ckpt-lowmem", "dc-ckpt-lean"):
             ds_z3native.set_persistence_budget(0)
@@ -939,6 +943,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     }
     if inductor:
         record["setup"]["inductor"] = inductor
+    if args.skip_patch:
+        record["setup"]["skipped_patches"] = list(args.skip_patch)
     if deepcompile and args.dc_steps < 7:
         raise SystemExit("--dc-steps must be >= 7: DeepCompile re-plans at its 6th step and the "
                          "steps after it are the timed ones")
@@ -1007,6 +1013,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
             # Backward graphs whose gradients reach the reduction in groups.
             record["reduce_group"] = reduce_group_stats()
+            from ds_z3native.compat.deepcompile_inductor_calls import inductor_calls_stats
+
+            # end_backward calls retyped, attention calls taken out of their rng-state wrapper.
+            record["inductor_calls"] = inductor_calls_stats()
             from ds_z3native.compat.deepcompile_warm_start import warm_start_stats
 
             # A run that compiled the re-plan's graphs at step 0 from the store (dc-warm).

@@ -87,6 +87,10 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
     # The wrapper passes every argument on, the compiler first.
     "deepcompile-grouped-reduce": [
         ("deepspeed.compile.inductor", "patch_compiler", ("original_compiler",))],
+    "deepcompile-typed-end-backward": [
+        ("deepspeed.compile.inductor", "patch_compiler", ("original_compiler",))],
+    "deepcompile-attention-rng": [
+        ("deepspeed.compile.inductor", "patch_compiler", ("original_compiler",))],
     "deepcompile-cache-checkpoint-rng": [],  # a torch config table: see tests/test_compat_graph_ids.py
     # torch's: the wrapper passes every argument on and edits the pickler's dispatch_table after.
     "deepcompile-generator-cache-key": [

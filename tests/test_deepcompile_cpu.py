@@ -195,6 +195,37 @@ def test_hf_llama_lora_nonreentrant_checkpointing_trains_like_eager_zero3() -> N
           f"max |loss diff| {loss_diff:.2e}, max |LoRA param diff| {param_diff:.2e}")
 
 
+@pytest.mark.deepspeed
+@needs_cpu_deepcompile
+def test_inductors_cpp_wrapper_compiles_a_checkpointed_lora_llama_that_trains_like_eager_zero3(
+) -> None:
+    # inductor's C++ wrapper cannot call dc.end_backward(Any deps), nor torch's random-state
+    # wrappers that AOTAutograd puts around recomputed attention; ds_z3native rewrites both
+    # (compat.deepcompile_inductor_calls). Without either rewrite the compile fails.
+    common = ("--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant")
+    cpp = (*common, "--single-cycle", "--inductor", "cpp_wrapper=True")
+    runs = run_together({
+        "cpp": (cpp, STEPS),
+        "reference": ((*common, "--mode", "eager", "--eager-stage", "3", "--native",
+                       "deepspeed"), STEPS),
+        "end_backward_any": ((*cpp, "--skip-patch", "deepcompile-typed-end-backward"), 1),
+        "attention_wrapped": ((*cpp, "--skip-patch", "deepcompile-attention-rng"), 1),
+    }, env={"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+    ours = _ok(runs["cpp"])
+    assert ours["inductor"] == {"cpp_wrapper": True}
+    loss_diff, param_diff = _assert_same_training(ours, _ok(runs["reference"]), rtol=1e-4,
+                                                  atol=1e-5)
+    calls = ours["inductor_calls"]
+    assert calls["end_backward_typed"] >= 1, calls
+    assert calls["attention_unwrapped"] >= 4, calls  # 2 layers: each forward and its recompute
+    assert "arg type Any is not yet supported" in runs["end_backward_any"].get("error", ""), \
+        runs["end_backward_any"].get("error")
+    assert "RunAndSaveRngState" in runs["attention_wrapped"].get("error", ""), \
+        runs["attention_wrapped"].get("error")
+    print(f"C++ wrapper: {calls}; max |loss diff| {loss_diff:.2e}, max |LoRA param diff| "
+          f"{param_diff:.2e}")
+
+
 # Two ranks of a LoRA Llama with non-reentrant checkpointing, the last step's op calls counted.
 _LLAMA_KEPT = ["--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant",
                "--count-ops"]

@@ -264,6 +264,7 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
          "deepcompile-canonical-graph-ids", "deepcompile-cache-checkpoint-rng",
          "deepcompile-generator-cache-key", "deepcompile-sourceless-symbols",
          "deepcompile-single-cycle-regroup", "deepcompile-grouped-reduce",
+         "deepcompile-typed-end-backward", "deepcompile-attention-rng",
          "deepcompile-profile-store", "deepcompile-warm-start",
          "deepcompile-kwargs-dependencies", "deepcompile-resume-schedule",
          "deepcompile-persistent-group", "deepcompile-aot-partial-constructions",

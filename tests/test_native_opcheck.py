@@ -295,7 +295,8 @@ def test_opcheck(op_name: str) -> None:
 
 # Native ops of the ds_z3native namespace, opchecked beside their runtime's state.
 NATIVE_OPS_ELSEWHERE = {"gather_persistent": "tests/test_persistent_group.py",
-                        "reduce_grads": "tests/test_reduce_group.py"}
+                        "reduce_grads": "tests/test_reduce_group.py",
+                        "end_backward": "tests/test_inductor_calls.py"}
 
 
 def _grouped_mm_sample(ends: Tuple[int, ...], input_grad: bool, weight_grad: bool,

@@ -13,6 +13,12 @@
 // reduce_grad for each (grads[i], ids[i]) in one call: every gradient checked before any is
 // queued, one lock, one wait of the copy stream for the compute stream. Returns what reduce_grad
 // returns (an empty tensor end_backward takes as a dependency).
+//
+//   end_backward(Tensor[] deps, int graph_id, bool release_reduce_buckets=True) -> ()
+//
+// dc::end_backward with its dependencies typed as what DeepCompile passes, the graph's
+// reduce_grad(s) outputs. DeepSpeed's schema types them `Any`, which inductor's C++ wrapper cannot
+// call; the kernel is the same.
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -93,6 +99,23 @@ at::Tensor reduce_grads_meta(int64_t graph_id, at::TensorList grads, at::IntArra
     return at::empty({0}, grads[0].options());
 }
 
+void end_backward_tensors(at::TensorList deps, int64_t graph_id, bool release_reduce_buckets)
+{
+    end_backward(c10::IValue(deps.vec()), graph_id, release_reduce_buckets);
+}
+
+void end_backward_tensors_meta(at::TensorList deps, int64_t graph_id, bool)
+{
+    // Fake tensors (a trace) carry the Python key; outside a trace a meta dependency stands for a
+    // gradient that was never reduced, and ending the backward over it would skip the flush.
+    for (size_t i = 0; i < deps.size(); ++i) {
+        DSZ_CHECK(!plainMeta(deps[i]), "end_backward (meta)", "graph_id ", graph_id, ": deps[", i,
+                  "] is a meta tensor (shape ", deps[i].sizes(), ") outside a fake-tensor trace: "
+                  "it stands for a gradient that was never reduced, so the backward cannot be "
+                  "ended (nothing was flushed)");
+    }
+}
+
 }  // namespace
 }  // namespace dsz::ops
 
@@ -103,6 +126,8 @@ TORCH_LIBRARY(ds_z3native, m)
           dsz::ops::hostStatefulOpTags());
     m.def("reduce_grads(int graph_id, Tensor[] grads, int[] ids) -> Tensor",
           dsz::ops::hostStatefulOpTags());
+    m.def("end_backward(Tensor[] deps, int graph_id, bool release_reduce_buckets=True) -> ()",
+          dsz::ops::hostStatefulOpTags());
 }
 
 // One kernel for every device: the runtime's backend decides what runs where.
@@ -110,10 +135,18 @@ TORCH_LIBRARY_IMPL(ds_z3native, CompositeExplicitAutograd, m)
 {
     m.impl("gather_persistent", &dsz::ops::gather_persistent);
     m.impl("reduce_grads", &dsz::ops::reduce_grads);
+    m.impl("end_backward", &dsz::ops::end_backward_tensors);
+}
+
+// An empty dependency list leaves the dispatcher no tensor to pick a key from.
+TORCH_LIBRARY_IMPL(ds_z3native, Undefined, m)
+{
+    m.impl("end_backward", &dsz::ops::end_backward_tensors);
 }
 
 TORCH_LIBRARY_IMPL(ds_z3native, Meta, m)
 {
+    m.impl("end_backward", &dsz::ops::end_backward_tensors_meta);
     m.impl("gather_persistent", &dsz::ops::gather_persistent_meta);
     m.impl("reduce_grads", &dsz::ops::reduce_grads_meta);
 }

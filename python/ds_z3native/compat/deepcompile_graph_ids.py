@@ -89,7 +89,7 @@ INDUCTOR_MODULE = "deepspeed.compile.inductor"
 GRAPH_ID_ARG: Dict[str, int] = {op.name: op.graph_id_arg for op in DC_OPS
                                 if op.graph_id_arg is not None}
 # The same for ds_z3native's own ops (library ``ds_z3native``), which its graph rewrites emit.
-OWN_GRAPH_ID_ARG: Dict[str, int] = {"gather_persistent": 0, "reduce_grads": 0}
+OWN_GRAPH_ID_ARG: Dict[str, int] = {"gather_persistent": 0, "reduce_grads": 0, "end_backward": 1}
 _GRAPH_ID_ARGS = {"dc": GRAPH_ID_ARG, "ds_z3native": OWN_GRAPH_ID_ARG}
 
 

@@ -69,6 +69,7 @@ PATCH_MODULES = (
     "ds_z3native.compat.deepcompile_graph_ids",
     "ds_z3native.compat.deepcompile_regroup",
     "ds_z3native.compat.deepcompile_reduce_group",
+    "ds_z3native.compat.deepcompile_inductor_calls",
     "ds_z3native.compat.deepcompile_profile_store",
     "ds_z3native.compat.deepcompile_warm_start",
     "ds_z3native.compat.deepcompile_schedule",

@@ -1,0 +1,252 @@
+"""``ds_z3native.compat.deepcompile_inductor_calls``: the rewrites that let inductor's C++ wrapper
+compile a DeepCompile graph, and the op one of them emits.
+
+* ``ds_z3native::end_backward(Tensor[] deps, ...)``: registered with a Meta kernel and one for
+  every device, checked by ``torch.library.opcheck`` on a live one-rank gloo runtime; it leaves the
+  grad buffers ``dc.end_backward`` leaves; refusals name the op, the graph and the bad value;
+* the rewrite of ``dc.end_backward`` on hand-built graphs shaped like DeepCompile's backward, run
+  on a live runtime against the original;
+* the rewrite of random-state wrappers around attention: the wrappers removed (and the graph's
+  values unchanged) where attention's ``dropout_p`` is 0, kept for dropout and for other ops;
+* the compiler wrapper both install.
+
+``tests/test_deepcompile_cpu.py`` compiles a checkpointed LoRA Llama with inductor's C++ wrapper
+through both, and shows it failing without either.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+from torch._prims import rng_prims
+
+from ds_z3native.compat import deepcompile_inductor_calls as ic
+from ds_z3native.compat import deepcompile_reduce_group as rg
+from helpers.native_rt import live_runtime
+from test_reduce_group import FROZEN, GRAPH, backward_graph, grads, prepare
+
+UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
+         "test_aot_dispatch_dynamic")
+ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def op() -> Any:
+    return ic.typed_end_backward_op()
+
+
+def calls(gm: torch.fx.GraphModule) -> List[Any]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+# ------------------------------------------------------------------- ds_z3native::end_backward
+
+SAMPLES: Dict[str, Callable[[], Tuple[Any, ...]]] = {
+    "two": lambda: ([torch.empty(0), torch.empty(0)], GRAPH, False),
+    "release": lambda: ([torch.empty(0)], GRAPH, True),
+}
+
+
+@pytest.mark.parametrize("sample", sorted(SAMPLES))
+def test_opcheck(sample: str) -> None:
+    for util in UTILS:
+        with live_runtime() as m:
+            prepare(m)
+            try:
+                torch.library.opcheck(op(), SAMPLES[sample](), test_utils=util)
+            except Exception as e:
+                raise AssertionError(f"end_backward sample {sample!r}, {util}: {e}") from e
+
+
+def test_the_op_has_a_meta_kernel_a_kernel_for_every_device_and_one_without_tensors() -> None:
+    op()
+    name = "ds_z3native::end_backward"
+    # Undefined (no tensor to dispatch on: an empty list) registers the catch-all kernel.
+    for key in ("Meta", "CompositeExplicitAutograd", "CompositeImplicitAutograd"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, key), key
+    assert str(op()._schema) == ("ds_z3native::end_backward(Tensor[] deps, int graph_id, "
+                                 "bool release_reduce_buckets=True) -> ()")
+    assert torch.Tag.cudagraph_unsafe in op().tags
+
+
+@pytest.mark.parametrize("deps", [[], [None]], ids=["no_deps", "none"])
+@pytest.mark.parametrize("bucket", [1 << 16, 20], ids=["one_bucket", "flushed_before"])
+def test_leaves_the_grad_buffers_dc_end_backward_leaves(deps: List[Any], bucket: int) -> None:
+    def run(end: Callable[[List[torch.Tensor]], None]) -> Dict[int, torch.Tensor]:
+        with live_runtime(bucket_size=bucket) as m:
+            buffers = prepare(m)
+            g = grads(2)
+            outs = [torch.ops.dc.reduce_grad(g[i], GRAPH, i) for i in (1, 2, 4)]
+            end(outs)
+            return {k: v.clone() for k, v in buffers.items() if k not in FROZEN}
+
+    expected = run(lambda outs: torch.ops.dc.end_backward([*outs, *deps], GRAPH, False))
+    got = run(lambda outs: op()(outs, GRAPH, False))
+    assert set(got) == set(expected)
+    for ds_id in expected:
+        assert torch.equal(got[ds_id], expected[ds_id]), ds_id
+    assert torch.equal(got[1], grads(2)[1].reshape(-1))  # reached the buffer: flushed
+    with live_runtime(bucket_size=bucket) as m:  # and with no dependency at all
+        buffers = prepare(m)
+        torch.ops.dc.reduce_grad(grads(2)[1], GRAPH, 1)
+        op()([], GRAPH, False)
+        assert torch.equal(buffers[1], grads(2)[1].reshape(-1))
+
+
+def test_refusals_name_the_op_the_graph_and_the_value() -> None:
+    with live_runtime() as m:
+        prepare(m)
+        with pytest.raises(RuntimeError, match=r"end_backward \(meta\).*graph_id 3: deps\[1\] "
+                                               r"is a meta tensor \(shape \[4\]\)"):
+            op()([torch.empty(0), torch.empty(4, device="meta")], GRAPH, False)
+    with pytest.raises(RuntimeError, match=r"ds_z3native end_backward: the runtime is not "
+                                           r"initialized"):
+        op()([torch.empty(0)], GRAPH, False)
+
+
+# -------------------------------------------------------------------- the end_backward rewrite
+
+def test_end_backward_becomes_the_typed_call_over_its_tensor_dependencies() -> None:
+    gm = backward_graph([1, 2, 4])
+    (end,) = [n for n in gm.graph.nodes if n.target == torch.ops.dc.end_backward.default]
+    reduces = list(end.args[0])
+    end.args = ([reduces[0], None, *reduces[1:]], *end.args[1:])  # DeepSpeed may pass None
+    assert ic.type_end_backward(gm) == 1
+    assert torch.ops.dc.end_backward.default not in calls(gm)
+    (typed,) = [n for n in gm.graph.nodes if n.target == op()]
+    assert typed.args == (reduces, GRAPH, False)
+    assert ic.type_end_backward(gm) == 0  # nothing left to rewrite
+    # A dependency that is neither a graph value nor None has no typed form: refused by name.
+    bad = backward_graph([1])
+    (end,) = [n for n in bad.graph.nodes if n.target == torch.ops.dc.end_backward.default]
+    end.args = ([*end.args[0], 7], *end.args[1:])
+    with pytest.raises(TypeError, match=r"end_backward of graph 3: dependencies other than "
+                                        r"graph values or None: \[7\]"):
+        ic.type_end_backward(bad)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["per_gradient", "grouped"])
+def test_the_rewritten_graph_leaves_the_grad_buffers_of_the_original(grouped: bool) -> None:
+    ids = [4, 1, 5, 2]
+    inputs = [grads(1)[ds_id] for ds_id in ids]
+
+    def run(gm: torch.fx.GraphModule) -> Dict[int, torch.Tensor]:
+        with live_runtime(bucket_size=20) as m:
+            buffers = prepare(m)
+            gm(*inputs)
+            return {k: v.clone() for k, v in buffers.items() if k not in FROZEN}
+
+    original = run(backward_graph(ids))
+    gm = backward_graph(ids)
+    if grouped:
+        assert rg.group_reduce_grads(gm) == 3
+    assert ic.type_end_backward(gm) == 1
+    rewritten = run(gm)
+    for ds_id in ids:
+        assert torch.count_nonzero(original[ds_id]) > 0
+        assert torch.equal(rewritten[ds_id], original[ds_id]), ds_id
+
+
+# --------------------------------------------------------- attention's random-state wrappers
+
+def attention_graph(dropout_p: float, wrapped: Any = ATTENTION) -> torch.fx.GraphModule:
+    """The forward of a checkpointed attention as AOTAutograd leaves it on the CPU: the call
+    inside ``run_and_save_rng_state``, the saved state and the output among the graph's
+    outputs."""
+    graph = torch.fx.Graph()
+    q, k, v = (graph.placeholder(name) for name in "qkv")
+    args = (q, k, v, dropout_p, True) if wrapped is ATTENTION else (q, dropout_p, True)
+    w = graph.call_function(rng_prims.run_and_save_rng_state, (wrapped, *args))
+    state = graph.call_function(operator.getitem, (w, 0))
+    result = graph.call_function(operator.getitem, (w, 1))
+    out = graph.call_function(operator.getitem, (result, 0))
+    graph.output((state, out))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def recompute_graph(dropout_p: float) -> torch.fx.GraphModule:
+    """The backward's recompute of it: ``run_with_rng_state(state, op, ...)``."""
+    graph = torch.fx.Graph()
+    state, q, k, v = (graph.placeholder(name) for name in ("state", "q", "k", "v"))
+    w = graph.call_function(rng_prims.run_with_rng_state, (state, ATTENTION, q, k, v, dropout_p, True))
+    graph.output((graph.call_function(operator.getitem, (w, 0)),))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def qkv() -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, 8, 4, generator=g) for _ in range(3)]
+
+
+def test_dropout_free_attention_leaves_its_wrappers_and_computes_the_same() -> None:
+    gm = attention_graph(0.0)
+    expected = gm(*qkv())[1]
+    before = ic.inductor_calls_stats()["attention_unwrapped"]
+    assert ic.unwrap_attention_rng(gm) == 1
+    assert calls(gm).count(ATTENTION) == 1 and rng_prims.run_and_save_rng_state not in calls(gm)
+    state, out = gm(*qkv())
+    assert state.numel() == 0  # the saved state nothing reads any more
+    assert torch.equal(out, expected)
+    assert ic.inductor_calls_stats()["attention_unwrapped"] == before + 1
+
+    rec = recompute_graph(0.0)
+    expected = rec(torch.get_rng_state(), *qkv())[0]
+    assert ic.unwrap_attention_rng(rec) == 1
+    assert calls(rec) == [ATTENTION, operator.getitem]
+    assert torch.equal(rec(torch.empty(0, dtype=torch.uint8), *qkv())[0], expected)
+
+
+def test_dropout_and_other_seeded_ops_keep_their_wrappers() -> None:
+    kept = ic.inductor_calls_stats()["rng_wrappers_kept"]
+    for gm in (attention_graph(0.1), recompute_graph(0.5),
+               attention_graph(0.0, wrapped=torch.ops.aten.native_dropout.default)):
+        before = [str(t) for t in calls(gm)]
+        assert ic.unwrap_attention_rng(gm) == 0
+        assert [str(t) for t in calls(gm)] == before
+    assert ic.inductor_calls_stats()["rng_wrappers_kept"] == kept + 3
+    # dropout_p given by keyword, or as a graph value (unknown at compile time)
+    graph = torch.fx.Graph()
+    q, k, v, p = (graph.placeholder(name) for name in ("q", "k", "v", "p"))
+    for kwargs in ({"dropout_p": 0.2}, {}):
+        args = (q, k, v) if kwargs else (q, k, v, p)
+        graph.call_function(rng_prims.run_and_save_rng_state, (ATTENTION, *args), kwargs)
+    graph.output(())
+    assert ic.unwrap_attention_rng(torch.fx.GraphModule(torch.nn.Module(), graph)) == 0
+
+
+def test_the_cuda_wrapper_is_unwrapped_too() -> None:
+    # graphsafe_run_with_rng_state (CUDA) returns the op's outputs; its rng_state keyword is the
+    # generator's state, a graph input. Built by hand: the op itself runs on CUDA only.
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    graph = torch.fx.Graph()
+    q, k, v, st = (graph.placeholder(name) for name in ("q", "k", "v", "rng"))
+    w = graph.call_function(rng_prims.graphsafe_run_with_rng_state, (flash, q, k, v, 0.0, True),
+                            {"rng_state": st, "scale": 0.5})
+    graph.output((graph.call_function(operator.getitem, (w, 0)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert ic.unwrap_attention_rng(gm) == 1
+    (call,) = [n for n in gm.graph.nodes if n.target == flash]
+    assert call.args == (q, k, v, 0.0, True) and call.kwargs == {"scale": 0.5}
+    assert rng_prims.graphsafe_run_with_rng_state not in calls(gm)
+
+
+# ------------------------------------------------------------------------ the compiler wrapper
+
+def test_the_compiler_wrappers_rewrite_before_compiling() -> None:
+    seen: List[List[Any]] = []
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> str:
+        seen.append(calls(gm))
+        return "compiled"
+
+    def patched(compile_fn: Callable, *args: Any) -> Callable:  # DeepSpeed's patch_compiler
+        return compile_fn
+
+    typed = ic._rewriting(ic.type_end_backward, "retyped")(patched)(compiler)
+    assert typed(backward_graph([1, 2]), []) == "compiled"
+    assert op() in seen[-1] and torch.ops.dc.end_backward.default not in seen[-1]
+    unwrapped = ic._rewriting(ic.unwrap_attention_rng, "unwrapped")(patched)(compiler)
+    assert unwrapped(attention_graph(0.0), []) == "compiled"
+    assert ATTENTION in seen[-1] and rng_prims.run_and_save_rng_state not in seen[-1]

@@ -93,6 +93,8 @@ An experiment with inductor's own settings: ``--inductor NAME=VALUE`` (repeatabl
 ``torch._inductor.config.NAME`` before anything compiles (``--inductor triton.cudagraphs=True
 --inductor graph_partition=True``: CUDA graphs between the dc ops; ``--inductor cpp_wrapper=True``:
 inductor's C++ wrapper); the record's ``setup.inductor`` keeps what was set.
+``--skip-patch NAME`` (repeatable) leaves one of ds_z3native's patches out of ``install()``, to
+measure what it does against the same build (``setup.skipped_patches``).
 
 Where the time goes: ``--trace DIR`` runs two more steps after the timed ones under
 ``torch.profiler`` and writes, per rank, a Chrome trace (``DIR/<variant>-rank<r>.json``) and

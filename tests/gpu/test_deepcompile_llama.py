@@ -43,6 +43,9 @@ RUNS: Dict[str, tuple] = {
                              "--count-ops"),
     "ckpt-fp32-dc-ungrouped-reduce": (*LLAMA, "--size", "tiny", "--dtype", "fp32", *CKPT, *DC,
                                       "--count-ops", "--no-group-reduce"),
+    # Inductor's C++ wrapper (deepcompile-typed-end-backward, deepcompile-attention-rng).
+    "ckpt-fp32-dc-cpp-wrapper": (*LLAMA, "--size", "tiny", "--dtype", "fp32", *CKPT, *DC,
+                                 "--inductor", "cpp_wrapper=True"),
     "ckpt-bf16-gather-only": (*LLAMA, "--size", "small", "--dtype", "bf16", *CKPT, *DC,
                               "--skip-patch", HF_PATCH),
 }
@@ -158,6 +161,20 @@ def test_lora_llama_fp32_checkpointing_matches_eager_zero3_tightly(runs: Dict[st
     _report("ckpt-fp32-dc", dc)
     rel, worst = _compare(dc, eager, bf16=False)
     print(f"[ckpt-fp32] max rel loss diff {rel:.2e}; max |LoRA param diff| {worst:.2e}")
+
+
+def test_inductors_cpp_wrapper_trains_checkpointed_lora_llama_like_eager_zero3(
+        runs: Dict[str, Any]) -> None:
+    # The C++ wrapper calls end_backward through its Tensor[] form and the recomputed attention
+    # without its random-state wrapper (graphsafe_run_with_rng_state on CUDA), which it cannot
+    # call otherwise; losses and LoRA params as tight as the Python wrapper's run.
+    cpp, eager = _trained(runs["ckpt-fp32-dc-cpp-wrapper"]), _trained(runs["ckpt-fp32-eager"])
+    assert cpp["inductor"] == {"cpp_wrapper": True}
+    calls = cpp["inductor_calls"]
+    assert calls["end_backward_typed"] >= 1 and calls["attention_unwrapped"] >= 4, calls
+    rel, worst = _compare(cpp, eager, bf16=False)
+    print(f"[ckpt-fp32 cpp_wrapper] {calls}; max rel loss diff {rel:.2e}; max |LoRA param diff| "
+          f"{worst:.2e}")
 
 
 def test_eager_fallback_gather_alone_trains_with_the_graph_breaks_kept(runs: Dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ compile a DeepCompile graph, and the op one of them emits.
   on a live runtime against the original;
 * the rewrite of random-state wrappers around attention: the wrappers removed (and the graph's
   values unchanged) where attention's ``dropout_p`` is 0, kept for dropout and for other ops;
-* the compiler wrapper both install.
+* the compiler wrapper both install, which rewrites only while inductor's C++ wrapper is on.
 
 ``tests/test_deepcompile_cpu.py`` compiles a checkpointed LoRA Llama with inductor's C++ wrapper
 through both, and shows it failing without either.
@@ -234,7 +234,9 @@ def test_the_cuda_wrapper_is_unwrapped_too() -> None:
 
 # ------------------------------------------------------------------------ the compiler wrapper
 
-def test_the_compiler_wrappers_rewrite_before_compiling() -> None:
+def test_the_compiler_wrappers_rewrite_only_for_the_cpp_wrapper() -> None:
+    from torch._inductor import config
+
     seen: List[List[Any]] = []
 
     def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> str:
@@ -245,8 +247,16 @@ def test_the_compiler_wrappers_rewrite_before_compiling() -> None:
         return compile_fn
 
     typed = ic._rewriting(ic.type_end_backward, "retyped")(patched)(compiler)
-    assert typed(backward_graph([1, 2]), []) == "compiled"
-    assert op() in seen[-1] and torch.ops.dc.end_backward.default not in seen[-1]
     unwrapped = ic._rewriting(ic.unwrap_attention_rng, "unwrapped")(patched)(compiler)
-    assert unwrapped(attention_graph(0.0), []) == "compiled"
-    assert ATTENTION in seen[-1] and rng_prims.run_and_save_rng_state not in seen[-1]
+    with config.patch(cpp_wrapper=False):
+        assert not ic.cpp_wrapper_on()
+        typed(backward_graph([1, 2]), [])
+        assert torch.ops.dc.end_backward.default in seen[-1] and op() not in seen[-1]
+        unwrapped(attention_graph(0.0), [])
+        assert rng_prims.run_and_save_rng_state in seen[-1]
+    with config.patch(cpp_wrapper=True):
+        assert ic.cpp_wrapper_on()
+        assert typed(backward_graph([1, 2]), []) == "compiled"
+        assert op() in seen[-1] and torch.ops.dc.end_backward.default not in seen[-1]
+        assert unwrapped(attention_graph(0.0), []) == "compiled"
+        assert ATTENTION in seen[-1] and rng_prims.run_and_save_rng_state not in seen[-1]

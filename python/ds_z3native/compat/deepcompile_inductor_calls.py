@@ -20,8 +20,9 @@ wrapper, and both are rewritten here just before inductor compiles a graph:
   attention call whose ``dropout_p`` is 0 becomes the plain call (:func:`unwrap_attention_rng`).
   Any other wrapped op (a real dropout) keeps its wrapper.
 
-Both rewrites are functions of the graph alone (warm starts get the cold run's graphs), and
-neither changes what a graph computes.
+Both rewrites run only while inductor compiles with its C++ wrapper (:func:`cpp_wrapper_on`); the
+Python wrapper gets DeepSpeed's graphs as they are. They are functions of the graph alone (warm
+starts get the cold run's graphs), and neither changes what a graph computes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from .deepcompile_graph_ids import wrap_patch_compiler
 from .inductor_fallback import register_fallback_lowering
 
 __all__ = ["DEEPCOMPILE_TYPED_END_BACKWARD", "DEEPCOMPILE_ATTENTION_RNG", "PATCHES",
-           "ATTENTION_OPS", "type_end_backward", "unwrap_attention_rng", "inductor_calls_stats"]
+           "ATTENTION_OPS", "cpp_wrapper_on", "type_end_backward", "unwrap_attention_rng",
+           "inductor_calls_stats"]
 
 log = logging.getLogger(__name__)
 
@@ -207,10 +209,18 @@ def unwrap_attention_rng(gm: Any) -> int:
     return removed
 
 
+def cpp_wrapper_on() -> bool:
+    """Whether inductor compiles with its C++ wrapper now (``torch._inductor.config.cpp_wrapper``,
+    set by the user or by ``torch.compile(options=...)`` around the compile)."""
+    from torch._inductor import config
+
+    return bool(getattr(config, "cpp_wrapper", False))
+
+
 def _rewriting(rewrite: Callable[[Any], int], what: str) -> Callable[[Callable], Callable]:
     def with_rewrite(compiler: Callable) -> Callable:
         def compile_rewritten(gm: Any, example_inputs: Any) -> Any:
-            changed = rewrite(gm)
+            changed = rewrite(gm) if cpp_wrapper_on() else 0
             if changed:
                 log.debug("DeepCompile graph: %d %s", changed, what)
             return compiler(gm, example_inputs)
@@ -227,24 +237,26 @@ def _rewriting(rewrite: Callable[[Any], int], what: str) -> Callable[[Callable],
 
 
 def patch_typed_end_backward() -> Undo:
-    """Wrap DeepSpeed's ``patch_compiler`` so that each DeepCompile graph reaches inductor with
-    ``ds_z3native::end_backward``; the undo restores it."""
+    """Wrap DeepSpeed's ``patch_compiler`` so that each DeepCompile graph inductor compiles with
+    its C++ wrapper reaches it with ``ds_z3native::end_backward``; the undo restores it."""
     return wrap_patch_compiler(_rewriting(type_end_backward, "end_backward calls retyped"),
                                "DeepCompile graphs keep end_backward(Any), which inductor's C++ "
                                "wrapper cannot call")
 
 
 def patch_attention_rng() -> Undo:
-    """Wrap DeepSpeed's ``patch_compiler`` so that each DeepCompile graph reaches inductor with
-    its dropout-free attention calls unwrapped; the undo restores it."""
+    """Wrap DeepSpeed's ``patch_compiler`` so that each DeepCompile graph inductor compiles with
+    its C++ wrapper reaches it with its dropout-free attention calls unwrapped; the undo restores
+    it."""
     return wrap_patch_compiler(_rewriting(unwrap_attention_rng, "attention calls unwrapped"),
                                "checkpointed attention keeps its random-state wrapper")
 
 
 DEEPCOMPILE_TYPED_END_BACKWARD = Patch(
     name="deepcompile-typed-end-backward",
-    summary="DeepCompile graphs end their backward through ds_z3native::end_backward(Tensor[] "
-            "deps), which inductor's C++ wrapper can call, instead of dc.end_backward(Any deps)",
+    summary="with inductor's C++ wrapper, DeepCompile graphs end their backward through "
+            "ds_z3native::end_backward(Tensor[] deps), which it can call, instead of "
+            "dc.end_backward(Any deps)",
     apply=patch_typed_end_backward,
     first=Version("0.19.0"),
     last=None,
@@ -255,8 +267,9 @@ DEEPCOMPILE_TYPED_END_BACKWARD = Patch(
 
 DEEPCOMPILE_ATTENTION_RNG = Patch(
     name="deepcompile-attention-rng",
-    summary="checkpointed attention calls without dropout reach inductor as plain calls, not "
-            "inside the random-state wrapper AOTAutograd puts around recomputed seeded ops",
+    summary="with inductor's C++ wrapper, checkpointed attention calls without dropout reach "
+            "it as plain calls, not inside the random-state wrapper AOTAutograd puts around "
+            "recomputed seeded ops (which it cannot call)",
     apply=patch_attention_rng,
     first=Version("0.19.0"),
     last=None,

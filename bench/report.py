@@ -227,8 +227,7 @@ _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "dc-ckpt-lean": "DeepCompile + ds_z3native, persistence and prefetch budgets 0",
               "dc-upstream": "DeepCompile, DeepSpeed's JIT op",
               "dc-ckpt-upstream": "DeepCompile, DeepSpeed's JIT op",
-              "dc-ckpt-single": "DeepCompile + ds_z3native, single cycle "
-                                "(`set_single_cycle(True)`)",
+              "dc-ckpt-single": "DeepCompile + ds_z3native, `set_single_cycle(True)`",
               "dc-ckpt-single-reduce-each": "DeepCompile + ds_z3native, single cycle, a "
                                             "reduce_grad call per gradient "
                                             "(`set_group_reduce(False)`)"}

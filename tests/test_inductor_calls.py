@@ -260,3 +260,31 @@ def test_the_compiler_wrappers_rewrite_only_for_the_cpp_wrapper() -> None:
         assert op() in seen[-1] and torch.ops.dc.end_backward.default not in seen[-1]
         assert unwrapped(attention_graph(0.0), []) == "compiled"
         assert ATTENTION in seen[-1] and rng_prims.run_and_save_rng_state not in seen[-1]
+
+
+def test_partitioning_for_the_cpp_wrapper_takes_the_state_as_a_tensor() -> None:
+    # On CUDA AOTAutograd's default wraps recomputed seeded ops in graphsafe_run_with_rng_state,
+    # whose generator input inductor requires to feed one such call: unwrapping would leave it
+    # feeding none. With the C++ wrapper on, DeepSpeed's partitioner runs with that form off.
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+
+    seen: List[Tuple[Any, ...]] = []
+
+    def get_wrapped_partitioner(*args: Any, **kwargs: Any) -> Callable:  # DeepSpeed's factory
+        def partition(joint: Any, inputs: Any, *, num_fwd_outputs: int) -> Tuple[Any, ...]:
+            seen.append((args, joint, inputs, num_fwd_outputs,
+                         functorch_config.graphsafe_rng_functionalization))
+            return ("fw", "bw")
+
+        return partition
+
+    factory = ic._partitioning_without_graphsafe_rng(get_wrapped_partitioner)
+    before = functorch_config.graphsafe_rng_functionalization
+    for on in (False, True):
+        with config.patch(cpp_wrapper=on):
+            partition = factory(True, [(0, 1, torch.Size([2]))], "min_cut", 7, set())
+            assert partition("joint", ["x"], num_fwd_outputs=3) == ("fw", "bw")
+    assert seen[0][:4] == ((True, [(0, 1, torch.Size([2]))], "min_cut", 7, set()), "joint", ["x"], 3)
+    assert seen[0][4] is before and seen[1][4] is False
+    assert functorch_config.graphsafe_rng_functionalization is before

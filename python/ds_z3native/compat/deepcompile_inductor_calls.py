@@ -35,6 +35,7 @@ from packaging.version import Version
 
 from . import Patch, Undo
 from ._fx import is_call
+from ._rebind import undo_all, when_module_imported, wrap_function
 from .deepcompile_graph_ids import wrap_patch_compiler
 from .inductor_fallback import register_fallback_lowering
 
@@ -244,12 +245,58 @@ def patch_typed_end_backward() -> Undo:
                                "wrapper cannot call")
 
 
+BACKEND_MODULE = "deepspeed.compile.backend"
+PARTITIONER_MODULE = "deepspeed.compile.partitioner"
+
+
+def _partitioning_without_graphsafe_rng(get_wrapped_partitioner: Callable) -> Callable:
+    """DeepSpeed's ``get_wrapped_partitioner``, whose partitioner runs with AOTAutograd's
+    ``graphsafe_rng_functionalization`` off while inductor's C++ wrapper is on."""
+
+    def get_partitioner(*args: Any, **kwargs: Any) -> Callable:
+        partition = get_wrapped_partitioner(*args, **kwargs)
+
+        def partition_for_the_wrapper(*a: Any, **k: Any) -> Any:
+            if not cpp_wrapper_on():
+                return partition(*a, **k)
+            from torch._functorch import config as functorch_config
+
+            with functorch_config.patch(graphsafe_rng_functionalization=False):
+                return partition(*a, **k)
+
+        return partition_for_the_wrapper
+
+    return get_partitioner
+
+
 def patch_attention_rng() -> Undo:
     """Wrap DeepSpeed's ``patch_compiler`` so that each DeepCompile graph inductor compiles with
-    its C++ wrapper reaches it with its dropout-free attention calls unwrapped; the undo restores
-    it."""
-    return wrap_patch_compiler(_rewriting(unwrap_attention_rng, "attention calls unwrapped"),
-                               "checkpointed attention keeps its random-state wrapper")
+    its C++ wrapper reaches it with its dropout-free attention calls unwrapped, and its
+    ``get_wrapped_partitioner`` so that such a graph's recomputed seeded ops get the
+    ``run_and_save_rng_state`` form on every device (the undo restores both).
+
+    On CUDA, AOTAutograd's default form is ``graphsafe_run_with_rng_state``, which takes the
+    generator's state as a graph input, and inductor requires such an input to feed exactly one
+    of those calls: an unwrapped call would leave it feeding none (an AssertionError in inductor's
+    ``placeholder``). The other form passes the state as a tensor the rewrite can replace."""
+
+    def apply_partitioner() -> Undo:
+        import importlib
+
+        owners = [importlib.import_module(PARTITIONER_MODULE),
+                  importlib.import_module(BACKEND_MODULE)]
+        if not hasattr(owners[0], "get_wrapped_partitioner"):
+            log.warning("%s has no get_wrapped_partitioner: inductor's C++ wrapper cannot compile "
+                        "checkpointed attention on CUDA", PARTITIONER_MODULE)
+            return lambda: None
+        return wrap_function(owners, "get_wrapped_partitioner",
+                             _partitioning_without_graphsafe_rng)
+
+    return undo_all([
+        wrap_patch_compiler(_rewriting(unwrap_attention_rng, "attention calls unwrapped"),
+                            "checkpointed attention keeps its random-state wrapper"),
+        when_module_imported(BACKEND_MODULE, apply_partitioner),
+    ])
 
 
 DEEPCOMPILE_TYPED_END_BACKWARD = Patch(
@@ -275,6 +322,7 @@ DEEPCOMPILE_ATTENTION_RNG = Patch(
     last=None,
     wraps=(
         "deepspeed.compile.inductor:patch_compiler",
+        "deepspeed.compile.partitioner:get_wrapped_partitioner",
     ),
 )
 

@@ -1,4 +1,4 @@
-"""DeepCompile graphs whose every call inductor's C++ wrapper can make, with fewer Python calls.
+"""DeepCompile graphs whose every call inductor's C++ wrapper can make.
 
 Inductor turns a graph into wrapper code that launches its kernels and calls the ops it does not
 lower. Its default wrapper is Python; ``torch._inductor.config.cpp_wrapper = True`` makes it C++,
@@ -16,9 +16,11 @@ wrapper, and both are rewritten here just before inductor compiles a graph:
   ``run_with_rng_state`` elsewhere), so that the recompute draws what the forward drew. PyTorch's
   fused attention ops carry that tag for their dropout, and a model without attention dropout
   calls them with ``dropout_p=0``, where they draw nothing. The C++ wrapper cannot call these
-  higher-order ops, and the Python wrapper calls each through Python dispatch: a wrapped
-  attention call whose ``dropout_p`` is 0 becomes the plain call (:func:`unwrap_attention_rng`).
-  Any other wrapped op (a real dropout) keeps its wrapper.
+  higher-order ops: a wrapped attention call whose ``dropout_p`` is 0 becomes the plain call
+  (:func:`unwrap_attention_rng`). Any other wrapped op (a real dropout) keeps its wrapper. On CUDA
+  the wrapper's generator state is a graph input that inductor requires to feed exactly one such
+  call, so DeepSpeed's partitioner runs with AOTAutograd's ``graphsafe_rng_functionalization``
+  off (the other form, whose state is a tensor the rewrite can replace).
 
 Both rewrites run only while inductor compiles with its C++ wrapper (:func:`cpp_wrapper_on`); the
 Python wrapper gets DeepSpeed's graphs as they are. They are functions of the graph alone (warm

@@ -25,11 +25,9 @@ from torch._prims import rng_prims
 
 from ds_z3native.compat import deepcompile_inductor_calls as ic
 from ds_z3native.compat import deepcompile_reduce_group as rg
-from helpers.native_rt import live_runtime
+from helpers.native_rt import live_runtime, opcheck_on_fresh_runtimes
 from test_reduce_group import FROZEN, GRAPH, backward_graph, grads, prepare
 
-UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
-         "test_aot_dispatch_dynamic")
 ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
@@ -51,13 +49,8 @@ SAMPLES: Dict[str, Callable[[], Tuple[Any, ...]]] = {
 
 @pytest.mark.parametrize("sample", sorted(SAMPLES))
 def test_opcheck(sample: str) -> None:
-    for util in UTILS:
-        with live_runtime() as m:
-            prepare(m)
-            try:
-                torch.library.opcheck(op(), SAMPLES[sample](), test_utils=util)
-            except Exception as e:
-                raise AssertionError(f"end_backward sample {sample!r}, {util}: {e}") from e
+    opcheck_on_fresh_runtimes(op(), lambda m: SAMPLES[sample](), prepare,
+                              f"end_backward sample {sample!r}")
 
 
 def test_the_op_has_a_meta_kernel_a_kernel_for_every_device_and_one_without_tensors() -> None:
@@ -243,11 +236,8 @@ def test_the_compiler_wrappers_rewrite_only_for_the_cpp_wrapper() -> None:
         seen.append(calls(gm))
         return "compiled"
 
-    def patched(compile_fn: Callable, *args: Any) -> Callable:  # DeepSpeed's patch_compiler
-        return compile_fn
-
-    typed = ic._rewriting(ic.type_end_backward, "retyped")(patched)(compiler)
-    unwrapped = ic._rewriting(ic.unwrap_attention_rng, "unwrapped")(patched)(compiler)
+    typed = ic._rewriting(ic.type_end_backward, "retyped")(compiler)
+    unwrapped = ic._rewriting(ic.unwrap_attention_rng, "unwrapped")(compiler)
     with config.patch(cpp_wrapper=False):
         assert not ic.cpp_wrapper_on()
         typed(backward_graph([1, 2]), [])

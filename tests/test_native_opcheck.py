@@ -21,10 +21,9 @@ import torch
 
 import ds_z3native
 from ds_z3native.dc_ops import DC_OPS
-from helpers.native_rt import compile_config, live_runtime
+from helpers.native_rt import OPCHECK_UTILS, compile_config, live_runtime, opcheck_on_fresh_runtimes
 
-UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
-         "test_aot_dispatch_dynamic")
+UTILS = OPCHECK_UTILS
 GRAPH = 0
 THRESHOLD = 10  # free_activation_threshold of the runtime the samples run on
 
@@ -272,16 +271,9 @@ def test_opcheck(op_name: str) -> None:
     config = compile_config(free_activation_threshold=THRESHOLD)
     for sample in SAMPLES[op_name]:
         assert set(sample.skip) <= set(UTILS) and len(sample.skip) < len(UTILS)
-        for util in UTILS:
-            if util in sample.skip:
-                continue
-            with live_runtime(config) as m:
-                prepare(m)
-                args = sample.args(m)
-                try:
-                    torch.library.opcheck(op, args, sample.kwargs, test_utils=util)
-                except Exception as e:
-                    raise AssertionError(f"dc::{op_name} sample {sample.name!r}: {e}") from e
+        opcheck_on_fresh_runtimes(op, sample.args, prepare,
+                                  f"dc::{op_name} sample {sample.name!r}", sample.kwargs, config,
+                                  sample.skip)
         if sample.check is not None:
             with live_runtime(config) as m:
                 prepare(m)

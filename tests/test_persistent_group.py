@@ -24,10 +24,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ds_z3native.compat import deepcompile_persistent as dp
-from helpers.native_rt import live_runtime
+from helpers.native_rt import live_runtime, opcheck_on_fresh_runtimes
 
-UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
-         "test_aot_dispatch_dynamic")
 GRAPH = 3  # not 0: a kernel that ignores its graph_id argument would still find graph 0
 # 1: trainable, kept gathered  2: frozen, kept gathered  3: trainable, gathered per use
 # 4: trainable, kept gathered, not in GRAPH  5: frozen, registered persistent (never gathered)
@@ -95,14 +93,8 @@ SAMPLES: Dict[str, Tuple[Callable[[], Tuple[Any, ...]], Dict[str, Any]]] = {
 @pytest.mark.parametrize("sample", sorted(SAMPLES))
 def test_opcheck(sample: str) -> None:
     build, kwargs = SAMPLES[sample]
-    for util in UTILS:
-        with live_runtime() as m:
-            prepare(m)
-            args = build()
-            try:
-                torch.library.opcheck(op(), args, kwargs, test_utils=util)
-            except Exception as e:
-                raise AssertionError(f"gather_persistent sample {sample!r}, {util}: {e}") from e
+    opcheck_on_fresh_runtimes(op(), lambda m: build(), prepare,
+                              f"gather_persistent sample {sample!r}", kwargs)
 
 
 def test_the_op_has_a_meta_kernel_and_a_kernel_for_every_device() -> None:

@@ -24,10 +24,8 @@ import torch
 import ds_z3native
 from ds_z3native import settings
 from ds_z3native.compat import deepcompile_reduce_group as rg
-from helpers.native_rt import live_runtime
+from helpers.native_rt import live_runtime, opcheck_on_fresh_runtimes
 
-UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
-         "test_aot_dispatch_dynamic")
 GRAPH = 3  # not 0: a kernel that ignores its graph_id argument would still find graph 0
 # 1, 2, 4: trainable  3: frozen  5: trainable, its gradient reduced in bf16
 SHAPES: Dict[int, Tuple[int, ...]] = {1: (3, 5), 2: (7,), 3: (2, 2), 4: (4, 4), 5: (6,)}
@@ -99,13 +97,8 @@ SAMPLES: Dict[str, Callable[[], Tuple[Any, ...]]] = {
 
 @pytest.mark.parametrize("sample", sorted(SAMPLES))
 def test_opcheck(sample: str) -> None:
-    for util in UTILS:
-        with live_runtime() as m:
-            prepare(m)
-            try:
-                torch.library.opcheck(op(), SAMPLES[sample](), test_utils=util)
-            except Exception as e:
-                raise AssertionError(f"reduce_grads sample {sample!r}, {util}: {e}") from e
+    opcheck_on_fresh_runtimes(op(), lambda m: SAMPLES[sample](), prepare,
+                              f"reduce_grads sample {sample!r}")
 
 
 def test_the_op_has_a_meta_kernel_and_a_kernel_for_every_device() -> None:

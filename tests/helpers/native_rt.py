@@ -2,7 +2,8 @@
 
 ``local_group()`` returns a one-rank gloo ProcessGroup of this process (over an in-memory store,
 leaving torch.distributed's default group alone). ``live_runtime()`` runs
-``init`` over it and ``cleanup`` at the end. ``padded_full`` / ``padded_shard`` are the reference
+``init`` over it and ``cleanup`` at the end; ``opcheck_on_fresh_runtimes()`` runs
+``torch.library.opcheck`` on a fresh one per sub-test. ``padded_full`` / ``padded_shard`` are the reference
 partition arithmetic (equal shards of ceil(numel / world_size), zero padding at the tail),
 written out here independently of the C++ so that tests compare against it.
 """
@@ -12,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import math
 import types
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["local_group", "compile_config", "live_runtime", "per_rank", "padded_shard",
-           "padded_full"]
+__all__ = ["local_group", "compile_config", "live_runtime", "OPCHECK_UTILS",
+           "opcheck_on_fresh_runtimes", "per_rank", "padded_shard", "padded_full"]
 
 _GROUP: Optional[Any] = None
 
@@ -79,6 +80,30 @@ def live_runtime(config: Any = None, bucket_size: int = 1 << 16, group: Any = No
         yield m
     finally:
         m.cleanup()
+
+
+# The torch.library.opcheck sub-tests the native ops' tests run.
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
+                 "test_aot_dispatch_dynamic")
+
+
+def opcheck_on_fresh_runtimes(op: Any, args: Callable[[Any], Tuple[Any, ...]],
+                              prepare: Callable[[Any], Any], what: str,
+                              kwargs: Optional[Dict[str, Any]] = None, config: Any = None,
+                              skip: Sequence[str] = ()) -> None:
+    """``torch.library.opcheck(op, args(m), kwargs)`` for each of :data:`OPCHECK_UTILS` but
+    ``skip``, each on a fresh runtime ``m`` (``live_runtime(config)``, then ``prepare(m)``): the
+    ops are stateful and each sub-test runs the op. A failure names ``what`` and the sub-test."""
+    for util in OPCHECK_UTILS:
+        if util in skip:
+            continue
+        with live_runtime(config) as m:
+            prepare(m)
+            built = args(m)
+            try:
+                torch.library.opcheck(op, built, kwargs, test_utils=util)
+            except Exception as e:
+                raise AssertionError(f"{what}, {util}: {e}") from e
 
 
 def per_rank(numel: int, world_size: int) -> int:

@@ -69,6 +69,7 @@ from . import Patch, Undo
 from ._rebind import when_module_imported, wrap_function
 
 __all__ = ["INDUCTOR_MODULE", "GRAPH_ID_ARG", "OWN_GRAPH_ID_ARG", "wrap_patch_compiler",
+           "wrap_inductor_compiler",
            "checkpoint_rng_op",
            "mark_checkpoint_rng_cacheable",
            "canonical_graph_id", "graph_id_of", "uses_graph_id", "canonicalize_graph_ids", "cache_key_tag",
@@ -314,6 +315,20 @@ def wrap_patch_compiler(make_wrapper: Callable[[Callable], Callable], without: s
         return wrap_function([module], "patch_compiler", make_wrapper)
 
     return when_module_imported(INDUCTOR_MODULE, apply)
+
+
+def wrap_inductor_compiler(transform: Callable[[Callable], Callable], without: str) -> Undo:
+    """Wrap DeepSpeed's ``patch_compiler`` so that the compiler it is handed (inductor's forward or
+    backward compiler, its first argument) becomes ``transform(compiler)``, every other argument
+    passed on; ``without`` as for :func:`wrap_patch_compiler`. The undo restores it."""
+
+    def make_wrapper(patch_compiler: Callable) -> Callable:
+        def wrapper(original_compiler: Callable, *args: Any, **kwargs: Any) -> Any:
+            return patch_compiler(transform(original_compiler), *args, **kwargs)
+
+        return wrapper
+
+    return wrap_patch_compiler(make_wrapper, without)
 
 
 def patch_canonical_graph_ids() -> Undo:

@@ -38,7 +38,7 @@ from packaging.version import Version
 from . import Patch, Undo
 from ._fx import is_call
 from ._rebind import undo_all, when_module_imported, wrap_function
-from .deepcompile_graph_ids import wrap_patch_compiler
+from .deepcompile_graph_ids import wrap_inductor_compiler
 from .inductor_fallback import register_fallback_lowering
 
 __all__ = ["DEEPCOMPILE_TYPED_END_BACKWARD", "DEEPCOMPILE_ATTENTION_RNG", "PATCHES",
@@ -98,10 +98,10 @@ def type_end_backward(gm: Any) -> int:
         flat = deps if isinstance(deps, (list, tuple)) else [deps]
         tensors = [d for d in flat if isinstance(d, torch.fx.Node)]
         rest = [d for d in flat if d is not None and not isinstance(d, torch.fx.Node)]
-        if rest:
-            raise TypeError(f"end_backward of graph {node.args[1] if len(node.args) > 1 else '?'}"
-                            f": dependencies other than graph values or None: {rest!r}")
         graph_id = node.args[1] if len(node.args) > 1 else node.kwargs["graph_id"]
+        if rest:
+            raise TypeError(f"end_backward of graph {graph_id}: dependencies other than graph "
+                            f"values or None: {rest!r}")
         release = (node.args[2] if len(node.args) > 2
                    else node.kwargs.get("release_reduce_buckets", True))
         with graph.inserting_before(node):
@@ -221,6 +221,8 @@ def cpp_wrapper_on() -> bool:
 
 
 def _rewriting(rewrite: Callable[[Any], int], what: str) -> Callable[[Callable], Callable]:
+    """The compiler transform that runs ``rewrite`` on each graph while the C++ wrapper is on."""
+
     def with_rewrite(compiler: Callable) -> Callable:
         def compile_rewritten(gm: Any, example_inputs: Any) -> Any:
             changed = rewrite(gm) if cpp_wrapper_on() else 0
@@ -230,21 +232,15 @@ def _rewriting(rewrite: Callable[[Any], int], what: str) -> Callable[[Callable],
 
         return compile_rewritten
 
-    def wrapper_of(patch_compiler: Callable) -> Callable:
-        def wrapper(original_compiler: Callable, *args: Any, **kwargs: Any) -> Any:
-            return patch_compiler(with_rewrite(original_compiler), *args, **kwargs)
-
-        return wrapper
-
-    return wrapper_of
+    return with_rewrite
 
 
 def patch_typed_end_backward() -> Undo:
     """Wrap DeepSpeed's ``patch_compiler`` so that each DeepCompile graph inductor compiles with
     its C++ wrapper reaches it with ``ds_z3native::end_backward``; the undo restores it."""
-    return wrap_patch_compiler(_rewriting(type_end_backward, "end_backward calls retyped"),
-                               "DeepCompile graphs keep end_backward(Any), which inductor's C++ "
-                               "wrapper cannot call")
+    return wrap_inductor_compiler(_rewriting(type_end_backward, "end_backward calls retyped"),
+                                  "DeepCompile graphs keep end_backward(Any), which inductor's "
+                                  "C++ wrapper cannot call")
 
 
 BACKEND_MODULE = "deepspeed.compile.backend"
@@ -295,8 +291,8 @@ def patch_attention_rng() -> Undo:
                              _partitioning_without_graphsafe_rng)
 
     return undo_all([
-        wrap_patch_compiler(_rewriting(unwrap_attention_rng, "attention calls unwrapped"),
-                            "checkpointed attention keeps its random-state wrapper"),
+        wrap_inductor_compiler(_rewriting(unwrap_attention_rng, "attention calls unwrapped"),
+                               "checkpointed attention keeps its random-state wrapper"),
         when_module_imported(BACKEND_MODULE, apply_partitioner),
     ])
 

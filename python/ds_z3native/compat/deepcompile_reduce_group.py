@@ -32,7 +32,7 @@ from packaging.version import Version
 from .. import settings
 from . import Patch, Undo
 from ._fx import is_call
-from .deepcompile_graph_ids import wrap_patch_compiler
+from .deepcompile_graph_ids import wrap_inductor_compiler
 from .inductor_fallback import register_fallback_lowering
 
 __all__ = ["DEEPCOMPILE_GROUPED_REDUCE", "PATCHES", "MAX_GRADS", "MAX_BYTES",
@@ -174,18 +174,11 @@ def _grouping(compiler: Callable) -> Callable:
     return compile_with_grouped_reduce
 
 
-def _with_grouping(patch_compiler: Callable) -> Callable:
-    def wrapper(original_compiler: Callable, *args: Any, **kwargs: Any) -> Any:
-        return patch_compiler(_grouping(original_compiler), *args, **kwargs)
-
-    return wrapper
-
-
 def patch_grouped_reduce() -> Undo:
     """Wrap DeepSpeed's ``patch_compiler`` so that inductor compiles each DeepCompile graph with
     its reductions grouped; the undo restores it."""
-    return wrap_patch_compiler(_with_grouping, "DeepCompile graphs keep one reduce_grad call "
-                               "per gradient")
+    return wrap_inductor_compiler(_grouping, "DeepCompile graphs keep one reduce_grad call per "
+                                  "gradient")
 
 
 DEEPCOMPILE_GROUPED_REDUCE = Patch(

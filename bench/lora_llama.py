@@ -123,13 +123,13 @@ try:  # run as bench/lora_llama.py, its folder is on the path; imported as bench
     from bench.deepcompile_run import (GcClock, add_inductor_option, add_skip_patch_option,
                                        apply_inductor_config, skip_patches,
                                        deepcompile_pass_seconds)
-    from bench.trace_breakdown import breakdown_file
+    from bench.trace_breakdown import PHASE_PREFIX, breakdown_file
 except ImportError:
     from conditions import GpuConditions
     from deepcompile_run import (GcClock, add_inductor_option, add_skip_patch_option,
                                  apply_inductor_config, skip_patches,
                                  deepcompile_pass_seconds)
-    from trace_breakdown import breakdown_file
+    from trace_breakdown import PHASE_PREFIX, breakdown_file
 
 log = logging.getLogger("bench.lora_llama")
 
@@ -723,14 +723,22 @@ def _own_loop(args: argparse.Namespace, model: Any, config: Dict[str, Any], devi
     the step function."""
     import torch
 
+    def phase(name: str) -> Any:
+        # A host span the profiler records (--trace: bench.trace_breakdown's device_idle splits
+        # the device's waits by phase); without a profiler it costs a few microseconds.
+        return torch.profiler.record_function(PHASE_PREFIX + name)
+
     if args.variant == "plain":
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
         def forward_backward(ids: Any) -> Any:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            with phase("forward"):
+                loss = model(input_ids=ids, labels=ids).loss
+            with phase("backward"):
+                loss.backward()
+            with phase("optimizer_step"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             return loss
 
         engine = None
@@ -743,9 +751,12 @@ def _own_loop(args: argparse.Namespace, model: Any, config: Dict[str, Any], devi
         clock.watch(engine)
 
         def forward_backward(ids: Any) -> Any:
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
+            with phase("forward"):
+                loss = engine(input_ids=ids, labels=ids).loss
+            with phase("backward"):
+                engine.backward(loss)
+            with phase("optimizer_step"):
+                engine.step()
             return loss
 
     g = torch.Generator().manual_seed(1000 + rank)
@@ -1085,7 +1096,7 @@ def trace_steps(step: Callable[[], float], directory: Path, label: str, on_gpu: 
     GPU). Returns the two paths, the number of distinct ops profiled and the per-step
     ``breakdown`` of :mod:`bench.trace_breakdown` (device busy share, launches by kind, host
     time in dc ops and in compiled graphs)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     directory.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
@@ -1093,7 +1104,8 @@ def trace_steps(step: Callable[[], float], directory: Path, label: str, on_gpu: 
     with profile(activities=activities) as prof:
         for _ in range(n):
             start = time.perf_counter()
-            step()  # returns the loss as a Python float: the device has finished the step
+            with record_function(PHASE_PREFIX + "step"):
+                step()  # returns the loss as a Python float: the device has finished the step
             step_ms.append((time.perf_counter() - start) * 1000.0)
     trace = directory / f"{label}.json"
     prof.export_chrome_trace(str(trace))
@@ -1108,6 +1120,9 @@ def trace_steps(step: Callable[[], float], directory: Path, label: str, on_gpu: 
              "n/a" if split["device_busy_share"] is None else f"{split['device_busy_share']:.0%}",
              split["launches"]["total"], split["host_ms"]["dc_ops"],
              split["host_ms"]["graph_wrapper"])
+    if split["device_idle"] is not None:
+        log.info("%s: device idle %.1f ms per step, by the host's phase meanwhile: %s", label,
+                 split["device_idle"]["ms"], split["device_idle"]["by_phase"])
     return {"steps": n, "chrome_trace": str(trace), "top_ops": str(top), "ops": len(averages),
             "breakdown": split}
 

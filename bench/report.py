@@ -377,7 +377,8 @@ def _lora_breakdown(runs: Mapping[str, Mapping[str, Any]],
                      _num(None if share is None else 100 * share, "{:.0f}", "%"),
                      _num(launches.get("total"), "{:,.0f}") + (f" ({kinds})" if kinds else ""),
                      _num(host.get("dc_ops"), "{:.1f}"), _num(host.get("graph_wrapper"), "{:.1f}"),
-                     _num(sum((split.get("dc_calls") or {}).values()) or None, "{:,.0f}")])
+                     _num(sum((split.get("dc_calls") or {}).values()) or None, "{:,.0f}"),
+                     _idle_cell(split.get("device_idle"))])
     if not rows:
         return []
     return ["", "**Where a step goes** (`--trace`: two more steps under torch.profiler after the "
@@ -386,7 +387,18 @@ def _lora_breakdown(runs: Mapping[str, Mapping[str, Any]],
             "inductor's compiled graphs other than dc ops):", ""] + \
         _table(["variant", "DeepSpeed", "run", "ms/step", "ms/step profiled", "device busy ms",
                 "device busy", "launches (by kind)", "host ms in dc ops",
-                "host ms in graph wrapper", "dc op calls"], rows)
+                "host ms in graph wrapper", "dc op calls",
+                "device idle ms (host in forward / backward / optimizer step / other)"], rows)
+
+
+def _idle_cell(idle: Optional[Mapping[str, Any]]) -> str:
+    """The device's idle ms per step, by the phase the host was in (bench.trace_breakdown's
+    ``device_idle``; traces from before the phases were marked have none)."""
+    if not idle:
+        return "-"
+    phases = idle.get("by_phase") or {}
+    return f"{idle['ms']:.1f} (" + " / ".join(
+        f"{phases.get(k, 0.0):.1f}" for k in ("forward", "backward", "optimizer_step", "other")) + ")"
 
 
 def _generic(result: Mapping[str, Any]) -> List[str]:

@@ -14,7 +14,16 @@ and returns, per step:
   (``compiled_graphs``: the ``## Call CompiledFxGraph`` spans), the part of the latter that is not
   ``dc`` ops (``graph_wrapper``: inductor's wrapper code and the kernels' launch calls), and in
   launch calls overall (``launch_calls``);
-* ``dc_calls``: calls per DeepCompile op (by its name without the namespace).
+* ``dc_calls``: calls per DeepCompile op (by its name without the namespace);
+* ``device_idle``: where the device waits, for traces whose steps are marked with
+  :data:`PHASE_PREFIX` spans (``phase:step`` around each step, ``phase:forward``,
+  ``phase:backward``, ``phase:optimizer_step`` inside it; ``bench/lora_llama.py`` marks them):
+  the device's idle time within the steps (``ms``), split by the phase the host was in meanwhile
+  (``by_phase``; ``other`` is step time outside the three, such as the batch's copy and the
+  final read of the loss), and the part of it while the host was inside a compiled graph
+  (``in_compiled_graphs``) or a DeepCompile op (``in_dc_ops``). The device idles while the host
+  has not yet launched its next work, so a phase's share is the host time of that phase the
+  step waits for. ``None`` without device activity or without ``phase:step`` spans.
 
 Host intervals are merged per thread before they are summed, so nested events are not counted
 twice; device intervals are merged per device.
@@ -27,7 +36,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["LAUNCH_KINDS", "breakdown", "breakdown_file", "kernel_kind", "union_length"]
+__all__ = ["LAUNCH_KINDS", "PHASES", "PHASE_PREFIX", "breakdown", "breakdown_file", "kernel_kind",
+           "union_length"]
 
 LAUNCH_KINDS = ("nccl", "triton", "gemm", "attention", "memcpy", "memset", "other")
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -36,6 +46,10 @@ COMPILED_GRAPH = "## Call CompiledFxGraph"
 # The namespaces of the ops DeepCompile's graphs call: DeepSpeed's and ours (gather_persistent,
 # reduce_grads).
 DC_OP_PREFIXES = ("dc::", "ds_z3native::")
+
+# Host spans (torch.profiler.record_function) marking a step and its phases.
+PHASE_PREFIX = "phase:"
+PHASES = ("forward", "backward", "optimizer_step")
 
 Interval = Tuple[float, float]
 
@@ -55,6 +69,39 @@ def union_length(intervals: Iterable[Interval]) -> float:
     if end_so_far is not None:
         total += end_so_far - start_so_far
     return total
+
+
+def _merged(intervals: Iterable[Interval]) -> List[Interval]:
+    """``intervals`` as sorted, disjoint intervals covering the same points."""
+    out: List[Interval] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            if end > out[-1][1]:
+                out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def _gaps(within: Sequence[Interval], busy: Sequence[Interval]) -> List[Interval]:
+    """The parts of the union of ``within`` not covered by the union of ``busy``."""
+    gaps: List[Interval] = []
+    cover = _merged(busy)
+    for ws, we in _merged(within):
+        cursor = ws
+        for bs, be in cover:
+            if be <= cursor:
+                continue
+            if bs >= we:
+                break
+            if bs > cursor:
+                gaps.append((cursor, bs))
+            cursor = max(cursor, be)
+            if cursor >= we:
+                break
+        if cursor < we:
+            gaps.append((cursor, we))
+    return gaps
 
 
 def _overlap(intervals: Sequence[Interval], within: Sequence[Interval]) -> float:
@@ -145,6 +192,25 @@ def breakdown(trace: Mapping[str, Any], steps: int, step_ms: Sequence[float]) ->
     def per_step_ms(us: float) -> float:
         return round(us / 1000.0 / steps, 3)
 
+    idle = None
+    step_spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                  if e.get("name") == PHASE_PREFIX + "step"]
+    if device and step_spans:
+        gaps = _gaps(step_spans, [iv for ivs in by_device.values() for iv in ivs])
+        by_phase = {}
+        for phase in PHASES:
+            spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                     if e.get("name") == PHASE_PREFIX + phase]
+            by_phase[phase] = _overlap(gaps, _merged(spans))
+        idle_us = union_length(gaps)
+        by_phase["other"] = max(idle_us - sum(by_phase.values()), 0.0)
+        idle = {"ms": per_step_ms(idle_us),
+                "by_phase": {k: per_step_ms(v) for k, v in by_phase.items()},
+                "in_compiled_graphs": per_step_ms(_overlap(gaps, _merged(
+                    iv for ivs in graph_by_thread.values() for iv in ivs))),
+                "in_dc_ops": per_step_ms(_overlap(gaps, _merged(
+                    iv for ivs in dc_by_thread.values() for iv in ivs)))}
+
     return {
         "steps": steps,
         "wall_ms": round(wall_ms, 3),
@@ -158,6 +224,7 @@ def breakdown(trace: Mapping[str, Any], steps: int, step_ms: Sequence[float]) ->
                     "launch_calls": per_step_ms(launch_us)},
         "dc_calls": {name.split("::", 1)[1]: round(n / steps, 1)
                      for name, n in sorted(Counter(e["name"] for e in dc_events).items())},
+        "device_idle": idle,
     }
 
 

@@ -821,6 +821,13 @@ def test_lora_trace_profiles_two_more_steps(tmp_path: Path) -> None:
     assert split["steps"] == 2 and split["wall_ms"] > 0
     assert split["device_busy_share"] is None and split["launches"]["total"] == 0
     assert split["dc_calls"] == {} and split["host_ms"]["dc_ops"] == 0
+    # Each profiled step and its three phases are marked for the device-idle split (None here:
+    # no device).
+    marks = [e["name"] for e in events if e.get("name", "").startswith("phase:")]
+    assert sorted(set(marks)) == ["phase:backward", "phase:forward", "phase:optimizer_step",
+                                  "phase:step"], marks
+    assert all(marks.count(m) == 2 for m in set(marks)), marks
+    assert split["device_idle"] is None
 
 
 def test_lora_table_never_compares_across_checkpointing() -> None:

@@ -92,6 +92,44 @@ def test_a_cpu_trace_has_no_device_share() -> None:
     split = breakdown({"traceEvents": events}, steps=1, step_ms=[0.5])
     assert split["device_busy_ms"] is None and split["device_busy_share"] is None
     assert split["launches"]["total"] == 0 and split["dc_calls"] == {}
+    assert split["device_idle"] is None
+
+
+def test_device_idle_is_split_by_the_hosts_phase() -> None:
+    """Two marked steps of 1000 us: the device's gaps inside each step are charged to the phase
+    the host is in (forward 0-300, backward 300-700, optimizer step 700-950, the rest other),
+    and to the compiled graph and dc op spans they fall in; gaps outside the steps are not
+    counted."""
+    events: List[Dict[str, Any]] = []
+    for step in range(2):
+        t0 = 2000.0 * step  # 1000 us between the steps: not a step, not counted
+        events += [_x("phase:step", "user_annotation", t0, 1000.0),
+                   _x("phase:forward", "user_annotation", t0, 300.0),
+                   _x("phase:backward", "user_annotation", t0 + 300, 400.0),
+                   _x("phase:optimizer_step", "user_annotation", t0 + 700, 250.0),
+                   _x("## Call CompiledFxGraph f ##", "user_annotation", t0, 250.0),
+                   _x("ds_z3native::reduce_grads", "cpu_op", t0 + 500, 50.0),  # device busy
+                   _x("dc::end_backward", "cpu_op", t0 + 620, 40.0)]  # device idle
+        # Busy 100-250, 400-600 (two streams overlapping), 800-900.
+        events += [_x("triton_poi_fused_0", "kernel", t0 + 100, 150.0, tid=7),
+                   _x("sm90_xmma_gemm_bf16", "kernel", t0 + 400, 150.0, tid=7),
+                   _x("Memcpy DtoD (Device -> Device)", "gpu_memcpy", t0 + 450, 150.0, tid=8),
+                   _x("Memset (Device)", "gpu_memset", t0 + 800, 100.0, tid=7)]
+    events.append(_x("triton_poi_fused_1", "kernel", 1200.0, 500.0, tid=7))  # between steps
+    idle = breakdown({"traceEvents": events}, steps=2, step_ms=[1.0, 1.0])["device_idle"]
+    # Gaps per step: 0-100, 250-300 (forward 150), 300-400, 600-700 (backward 200), 700-800,
+    # 900-950 (optimizer step 150), 950-1000 (other 50).
+    assert idle["ms"] == pytest.approx(0.55)
+    assert idle["by_phase"] == pytest.approx({"forward": 0.15, "backward": 0.2,
+                                              "optimizer_step": 0.15, "other": 0.05})
+    assert idle["in_compiled_graphs"] == pytest.approx(0.1)  # 0-100 of the graph's 0-250
+    assert idle["in_dc_ops"] == pytest.approx(0.04)  # end_backward's 620-660
+
+
+def test_device_idle_needs_marked_steps() -> None:
+    split = breakdown({"traceEvents": [_x("triton_poi_fused_0", "kernel", 0, 10.0)]},
+                      steps=1, step_ms=[1.0])
+    assert split["device_busy_ms"] == pytest.approx(0.01) and split["device_idle"] is None
 
 
 def test_breakdown_refuses_mismatched_steps() -> None:
@@ -123,7 +161,7 @@ def test_report_shows_where_a_profiled_step_goes() -> None:
     assert len(rows) == 1 and not any(ln.startswith("| upstream") for ln in lines[at:])
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert cells == ["dc-ckpt", "0.19.8", "-", "9.0", "10.0", "5.0", "50%", "1 (nccl 1)", "2.0",
-                     "0.0", "1"]
+                     "0.0", "1", "-"]  # no phase marks: no idle split
 
 
 def test_report_shows_profiled_runs_kept_beside_the_table() -> None:
@@ -146,3 +184,24 @@ def test_report_shows_profiled_runs_kept_beside_the_table() -> None:
             if ln.startswith("| dc")]
     assert [r[:5] for r in rows] == [["dc", "0.19.8", "b", "3.5", "4.0"]]
     assert rows[0][8] == "1.0"  # host ms in dc ops
+
+
+def test_report_shows_where_the_device_waits() -> None:
+    from bench import report
+
+    events = [_x("phase:step", "user_annotation", 0, 1000.0),
+              _x("phase:forward", "user_annotation", 0, 400.0),
+              _x("phase:backward", "user_annotation", 400, 500.0),
+              _x("triton_poi_fused_0", "kernel", 100, 300.0, tid=7),
+              _x("triton_poi_fused_1", "kernel", 500, 300.0, tid=7)]
+    split = breakdown({"traceEvents": events}, steps=1, step_ms=[1.0])
+    setup = {"size": "1b", "world_size": 1, "checkpointing": "none", "deepcompile": True}
+    run = {"variant": "dc", "versions": {"deepspeed": "0.19.8"}, "setup": setup, "run": "a",
+           "step_ms": {"median": 1.0, "min": 1.0, "max": 1.0}, "peak_gib": 4.0,
+           "trace": {"steps": 1, "breakdown": split}}
+    lines = report._lora({"bench": "lora_llama", "baseline": "upstream", "runs": {"dc@0.19.8": run}})
+    at = lines.index(next(ln for ln in lines if ln.startswith("**Where a step goes**")))
+    assert "host in forward / backward / optimizer step / other" in lines[at + 2]
+    row = next(ln for ln in lines[at:] if ln.startswith("| dc"))
+    # Idle 0-100 (forward), 400-500 (backward), 800-1000 (backward 100, other 100).
+    assert row.strip("|").split("|")[-1].strip() == "0.4 (0.1 / 0.2 / 0.0 / 0.1)"

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple
 
 __all__ = ["LAUNCH_KINDS", "PHASES", "PHASE_PREFIX", "breakdown", "breakdown_file", "kernel_kind",
            "union_length"]
@@ -54,23 +54,6 @@ PHASES = ("forward", "backward", "optimizer_step")
 Interval = Tuple[float, float]
 
 
-def union_length(intervals: Iterable[Interval]) -> float:
-    """Total length covered by ``(start, end)`` intervals (overlaps counted once)."""
-    total = 0.0
-    end_so_far: Optional[float] = None
-    start_so_far = 0.0
-    for start, end in sorted(intervals):
-        if end_so_far is None or start > end_so_far:
-            if end_so_far is not None:
-                total += end_so_far - start_so_far
-            start_so_far, end_so_far = start, end
-        elif end > end_so_far:
-            end_so_far = end
-    if end_so_far is not None:
-        total += end_so_far - start_so_far
-    return total
-
-
 def _merged(intervals: Iterable[Interval]) -> List[Interval]:
     """``intervals`` as sorted, disjoint intervals covering the same points."""
     out: List[Interval] = []
@@ -81,6 +64,11 @@ def _merged(intervals: Iterable[Interval]) -> List[Interval]:
         else:
             out.append((start, end))
     return out
+
+
+def union_length(intervals: Iterable[Interval]) -> float:
+    """Total length covered by ``(start, end)`` intervals (overlaps counted once)."""
+    return sum(end - start for start, end in _merged(intervals))
 
 
 def _gaps(within: Sequence[Interval], busy: Sequence[Interval]) -> List[Interval]:
@@ -138,11 +126,16 @@ def _is_launch(name: str) -> bool:
                                                        "cuMemset"))
 
 
+def _span(event: Mapping[str, Any]) -> Interval:
+    """An ``X`` event's ``(start, end)``."""
+    ts = float(event["ts"])
+    return ts, ts + float(event.get("dur", 0.0))
+
+
 def _by_thread(events: Iterable[Mapping[str, Any]]) -> Dict[Any, List[Interval]]:
     out: Dict[Any, List[Interval]] = defaultdict(list)
     for e in events:
-        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
-        out[(e.get("pid"), e.get("tid"))].append((ts, ts + dur))
+        out[(e.get("pid"), e.get("tid"))].append(_span(e))
     return out
 
 
@@ -159,8 +152,7 @@ def breakdown(trace: Mapping[str, Any], steps: int, step_ms: Sequence[float]) ->
     # Busy: any stream of the device at work (the union across its streams, per device).
     by_device: Dict[Any, List[Interval]] = defaultdict(list)
     for e in device:
-        ts = float(e["ts"])
-        by_device[e.get("pid")].append((ts, ts + float(e.get("dur", 0.0))))
+        by_device[e.get("pid")].append(_span(e))
     busy_us = sum(union_length(iv) for iv in by_device.values()) if device else None
     kinds_by_correlation = {}
     for e in device:
@@ -193,15 +185,14 @@ def breakdown(trace: Mapping[str, Any], steps: int, step_ms: Sequence[float]) ->
         return round(us / 1000.0 / steps, 3)
 
     idle = None
-    step_spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
-                  if e.get("name") == PHASE_PREFIX + "step"]
-    if device and step_spans:
-        gaps = _gaps(step_spans, [iv for ivs in by_device.values() for iv in ivs])
-        by_phase = {}
-        for phase in PHASES:
-            spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
-                     if e.get("name") == PHASE_PREFIX + phase]
-            by_phase[phase] = _overlap(gaps, _merged(spans))
+    marked: Dict[str, List[Interval]] = defaultdict(list)  # phase:<name> spans by name
+    for e in events:
+        name = str(e.get("name", ""))
+        if name.startswith(PHASE_PREFIX):
+            marked[name[len(PHASE_PREFIX):]].append(_span(e))
+    if device and marked["step"]:
+        gaps = _gaps(marked["step"], [iv for ivs in by_device.values() for iv in ivs])
+        by_phase = {phase: _overlap(gaps, _merged(marked[phase])) for phase in PHASES}
         idle_us = union_length(gaps)
         by_phase["other"] = max(idle_us - sum(by_phase.values()), 0.0)
         idle = {"ms": per_step_ms(idle_us),

@@ -90,11 +90,12 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
     "deepcompile-typed-end-backward": [
         ("deepspeed.compile.inductor", "patch_compiler", ("original_compiler",))],
     # The partitioner wrapper passes every argument on, to the factory and to its partitioner;
-    # the backend calls the factory by the name it imported.
+    # the backend and the inductor module call the factory by the name they imported.
     "deepcompile-attention-rng": [
         ("deepspeed.compile.inductor", "patch_compiler", ("original_compiler",)),
         ("deepspeed.compile.partitioner", "get_wrapped_partitioner", None),
-        ("deepspeed.compile.backend", "get_wrapped_partitioner", None)],
+        ("deepspeed.compile.backend", "get_wrapped_partitioner", None),
+        ("deepspeed.compile.inductor", "get_wrapped_partitioner", None)],
     "deepcompile-cache-checkpoint-rng": [],  # a torch config table: see tests/test_compat_graph_ids.py
     # torch's: the wrapper passes every argument on and edits the pickler's dispatch_table after.
     "deepcompile-generator-cache-key": [

@@ -278,3 +278,49 @@ def test_partitioning_for_the_cpp_wrapper_takes_the_state_as_a_tensor() -> None:
     assert seen[0][:4] == ((True, [(0, 1, torch.Size([2]))], "min_cut", 7, set()), "joint", ["x"], 3)
     assert seen[0][4] is before and seen[1][4] is False
     assert functorch_config.graphsafe_rng_functionalization is before
+
+
+def _through_the_backend(partition_fn: Callable) -> Callable:
+    import deepspeed.compile.backend as backend
+
+    return backend.get_wrapped_partitioner(False, [], partition_fn, 901, set())
+
+
+def _through_the_inductor_module(partition_fn: Callable) -> Callable:
+    # DeepSpeed's inductor backend hands AOTAutograd this wrapper, which calls the factory by the
+    # name the inductor module imported.
+    import deepspeed.compile.inductor as inductor
+
+    return inductor.wrap_partition_fn(False, partition_fn, [], [], 902, set())
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("caller", [_through_the_backend, _through_the_inductor_module],
+                         ids=["eager-backend", "inductor-backend"])
+def test_deepspeeds_own_partitioner_calls_run_without_graphsafe_rng_for_the_cpp_wrapper(
+        caller: Callable) -> None:
+    # The patch must reach every module that calls DeepSpeed's partitioner factory, not only the
+    # module that defines it: DeepSpeed's inductor backend partitions through
+    # deepspeed.compile.inductor, which imported the factory by name.
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+
+    seen: List[bool] = []
+
+    def partition_fn(joint: Any, inputs: Any, *, num_fwd_outputs: int) -> Tuple[Any, Any]:
+        seen.append(functorch_config.graphsafe_rng_functionalization)
+        return ("fw", "bw")
+
+    before = functorch_config.graphsafe_rng_functionalization
+    undo = ic.DEEPCOMPILE_ATTENTION_RNG.apply()
+    try:
+        for on in (False, True):
+            with config.patch(cpp_wrapper=on):
+                assert caller(partition_fn)("joint", [], num_fwd_outputs=1) == ("fw", "bw")
+    finally:
+        undo()
+    assert seen == [before, False]
+    # The undo hands DeepSpeed's call sites their own factory back.
+    with config.patch(cpp_wrapper=True):
+        caller(partition_fn)("joint", [], num_fwd_outputs=1)
+    assert seen[-1] is before

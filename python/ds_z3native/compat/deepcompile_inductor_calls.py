@@ -245,6 +245,9 @@ def patch_typed_end_backward() -> Undo:
 
 BACKEND_MODULE = "deepspeed.compile.backend"
 PARTITIONER_MODULE = "deepspeed.compile.partitioner"
+# The modules that call the partitioner factory by the name they imported: the backend (its
+# "eager" backend) and the inductor module (``wrap_partition_fn``, the inductor backend's path).
+PARTITIONER_CALLERS = (BACKEND_MODULE, "deepspeed.compile.inductor")
 
 
 def _partitioning_without_graphsafe_rng(get_wrapped_partitioner: Callable) -> Callable:
@@ -270,8 +273,9 @@ def _partitioning_without_graphsafe_rng(get_wrapped_partitioner: Callable) -> Ca
 def patch_attention_rng() -> Undo:
     """Wrap DeepSpeed's ``patch_compiler`` so that each DeepCompile graph inductor compiles with
     its C++ wrapper reaches it with its dropout-free attention calls unwrapped, and its
-    ``get_wrapped_partitioner`` so that such a graph's recomputed seeded ops get the
-    ``run_and_save_rng_state`` form on every device (the undo restores both).
+    ``get_wrapped_partitioner`` (in its module and in each module that imported it by name) so
+    that such a graph's recomputed seeded ops get the ``run_and_save_rng_state`` form on every
+    device (the undo restores both).
 
     On CUDA, AOTAutograd's default form is ``graphsafe_run_with_rng_state``, which takes the
     generator's state as a graph input, and inductor requires such an input to feed exactly one
@@ -281,8 +285,8 @@ def patch_attention_rng() -> Undo:
     def apply_partitioner() -> Undo:
         import importlib
 
-        owners = [importlib.import_module(PARTITIONER_MODULE),
-                  importlib.import_module(BACKEND_MODULE)]
+        owners = [importlib.import_module(name) for name in (PARTITIONER_MODULE,
+                                                             *PARTITIONER_CALLERS)]
         if not hasattr(owners[0], "get_wrapped_partitioner"):
             log.warning("%s has no get_wrapped_partitioner: inductor's C++ wrapper cannot compile "
                         "checkpointed attention on CUDA", PARTITIONER_MODULE)

@@ -324,3 +324,29 @@ def test_deepspeeds_own_partitioner_calls_run_without_graphsafe_rng_for_the_cpp_
     with config.patch(cpp_wrapper=True):
         caller(partition_fn)("joint", [], num_fwd_outputs=1)
     assert seen[-1] is before
+
+
+@pytest.mark.deepspeed
+def test_every_deepcompile_module_holding_the_partitioner_factory_gets_the_wrapper() -> None:
+    # A module that imported the factory by name keeps the original unless it is rebound: the
+    # patch must reach each one this DeepSpeed has, not a list that a later release outgrows.
+    import importlib
+    import pkgutil
+
+    import deepspeed.compile as dc_package
+    import deepspeed.compile.partitioner as partitioner
+
+    original = partitioner.get_wrapped_partitioner
+    holders = []
+    for info in pkgutil.walk_packages(dc_package.__path__, "deepspeed.compile."):
+        module = importlib.import_module(info.name)
+        if getattr(module, "get_wrapped_partitioner", None) is original:
+            holders.append(module)
+    assert len(holders) >= 3, [m.__name__ for m in holders]
+    undo = ic.DEEPCOMPILE_ATTENTION_RNG.apply()
+    try:
+        missed = [m.__name__ for m in holders if m.get_wrapped_partitioner is original]
+        assert missed == [], f"modules still calling DeepSpeed's own factory: {missed}"
+    finally:
+        undo()
+    assert all(m.get_wrapped_partitioner is original for m in holders)

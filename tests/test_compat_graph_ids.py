@@ -2,7 +2,7 @@
 that do not depend on the run.
 
 Unit level: the rewrite of an FX graph holding DeepCompile's dc calls, and the canonical ids the
-live runtime hands out. End to end (tests/test_deepcompile_cpu.py): a second CPU DeepCompile run
+live runtime hands out. End to end (tests/test_deepcompile_cpu_warm_start.py): a second CPU DeepCompile run
 with the same inductor cache directory is served by inductor's FX-graph cache.
 """
 

@@ -8,7 +8,7 @@ profile of the same graph in one run (DeepCompile's re-plan) is kept apart and n
 first; ranks replay only when every rank has the profile. The all-gather benchmark DeepCompile's
 prefetch pass predicts gather times from is kept and replayed the same way. End to end on a real
 DeepCompile run:
-tests/test_deepcompile_cpu.py (a second run replays every profile the first recorded).
+tests/test_deepcompile_cpu_warm_start.py (a second run replays every profile the first recorded).
 """
 
 from __future__ import annotations

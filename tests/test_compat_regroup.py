@@ -2,7 +2,7 @@
 after a graph compiled before the persistence choice is compiled again.
 
 The end-to-end side (DeepSpeed, two gloo ranks, inductor on the CPU) is
-``tests/test_deepcompile_cpu.py::test_a_single_cycle_compiles_each_graph_once_and_a_later_run_starts_warm_from_it``;
+``tests/test_deepcompile_cpu_warm_start.py::test_a_single_cycle_compiles_each_graph_once_and_a_later_run_starts_warm_from_it``;
 here the decision itself, on a real FX graph holding a ``dc.allgather_param`` call and a real
 tracing context, with the compiler standing in for inductor.
 """

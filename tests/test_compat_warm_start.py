@@ -2,7 +2,7 @@
 patch that lets inductor's cache serve a warm start the re-plan's graphs.
 
 The end-to-end runs (a second run compiling the re-plan at step 0, a store of another job, two
-ranks taking the manifest's kept-gathered params) are in tests/test_deepcompile_cpu.py; on a GPU,
+ranks taking the manifest's kept-gathered params) are in tests/test_deepcompile_cpu_warm_start.py; on a GPU,
 tests/gpu/test_profile_store_gpu.py. Here: which schedules a warm start takes, what a cycle is
 labelled before and after a fall-back, what the first profile decides, and the manifests.
 """

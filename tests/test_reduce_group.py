@@ -1,6 +1,6 @@
 """``ds_z3native::reduce_grads`` and the DeepCompile rewrite that emits it
 (``ds_z3native.compat.deepcompile_reduce_group``), on a live one-rank gloo runtime; no DeepSpeed
-engine runs (``tests/test_deepcompile_cpu.py`` trains through it on two ranks).
+engine runs (``tests/test_deepcompile_cpu_warm_start.py`` trains through it on two ranks).
 
 * the op through ``torch.library.opcheck`` (a fresh runtime for every sub-test: the op queues);
 * its values: what one ``reduce_grad`` call per gradient leaves in the grad buffers, also where a

@@ -2,7 +2,7 @@
 Llama, on CUDA, against eager ZeRO-3: GPT-2 (Conv1D layers, a model class that names no loss
 type), Qwen3-MoE and Mixtral (mixture-of-experts blocks: ZeRO-3 leaf modules, router trained in
 full), with an evaluation and a ``generate()`` between steps. The CPU side of the same runs is
-``tests/test_deepcompile_cpu.py::test_other_decoder_families_train_like_eager_zero3``; here the
+``tests/test_deepcompile_cpu_families.py::test_other_decoder_families_train_like_eager_zero3``; here the
 graphs are inductor's CUDA kernels and the collectives NCCL.
 
     python -m pytest -m gpu tests/gpu/test_deepcompile_families_gpu.py -q -s

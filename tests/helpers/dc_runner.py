@@ -14,7 +14,8 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 from ds_z3native._net import free_port
 
-__all__ = ["RUNNER", "LAUNCHER_KEYS", "child_env", "start", "collect", "run_alone", "run_together", "needs_cpu_deepcompile"]
+__all__ = ["RUNNER", "LAUNCHER_KEYS", "child_env", "start", "collect", "run_alone", "run_together", "cpu_deepcompile_mark",
+           "needs_cpu_deepcompile"]
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "bench" / "deepcompile_run.py"
@@ -113,16 +114,21 @@ def _deepspeed_version() -> Any:
     return Version(deepspeed.__version__.split("+")[0])
 
 
-def needs_cpu_deepcompile(test: Any) -> Any:
-    """Skips ``test`` where DeepCompile does not run on DeepSpeed's CPU accelerator: before
+def cpu_deepcompile_mark() -> Any:
+    """A skip mark for where DeepCompile does not run on DeepSpeed's CPU accelerator: before
     0.19.3 its profiler needs CUDA; 0.19.3's own eager-fallback getter gathers a frozen param
     between Dynamo building a guard and checking it ("Guard failed on the same frame it was
     created ... rank mismatch"; 0.19.4 changed the getter). Those releases' DeepCompile runs are
-    covered on a CUDA machine (tests/gpu)."""
+    covered on a CUDA machine (tests/gpu). For a module's ``pytestmark``."""
     import pytest
     from packaging.version import Version
 
     return pytest.mark.skipif(
         _deepspeed_version() < Version("0.19.4"),
         reason="DeepCompile on the CPU runs from DeepSpeed 0.19.4 (before: CUDA-only profiler; "
-               "0.19.3: its eager-fallback getter breaks Dynamo's guard); covered in tests/gpu")(test)
+               "0.19.3: its eager-fallback getter breaks Dynamo's guard); covered in tests/gpu")
+
+
+def needs_cpu_deepcompile(test: Any) -> Any:
+    """``test`` skipped where DeepCompile does not run on the CPU (``cpu_deepcompile_mark``)."""
+    return cpu_deepcompile_mark()(test)

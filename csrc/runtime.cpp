@@ -350,6 +350,10 @@ void Runtime::clearAllGatheredParams()
     for (auto& [id, p] : registry_.entries()) {
         if (!p.persistent && p.has_gathered) { gatherer_.forget(p, /*keep_placeholder=*/false); }
     }
+    // DeepSpeed's profiler calls this after running a graph, also one that stopped midway (it
+    // carries on with default figures): a use count that run started would carry over and free
+    // the next real gather before its last user.
+    for (auto& [id, ex] : executors_) { ex.clearUses(); }
 }
 
 // ---------------------------------------------------------------- ops

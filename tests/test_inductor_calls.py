@@ -265,19 +265,57 @@ def test_partitioning_for_the_cpp_wrapper_takes_the_state_as_a_tensor() -> None:
         def partition(joint: Any, inputs: Any, *, num_fwd_outputs: int) -> Tuple[Any, ...]:
             seen.append((args, joint, inputs, num_fwd_outputs,
                          functorch_config.graphsafe_rng_functionalization))
-            return ("fw", "bw")
+            return attention_graph(0.0), recompute_graph(0.0)
 
         return partition
 
     factory = ic._partitioning_without_graphsafe_rng(get_wrapped_partitioner)
     before = functorch_config.graphsafe_rng_functionalization
+    graphs = {}
     for on in (False, True):
         with config.patch(cpp_wrapper=on):
             partition = factory(True, [(0, 1, torch.Size([2]))], "min_cut", 7, set())
-            assert partition("joint", ["x"], num_fwd_outputs=3) == ("fw", "bw")
+            graphs[on] = partition("joint", ["x"], num_fwd_outputs=3)
     assert seen[0][:4] == ((True, [(0, 1, torch.Size([2]))], "min_cut", 7, set()), "joint", ["x"], 3)
     assert seen[0][4] is before and seen[1][4] is False
     assert functorch_config.graphsafe_rng_functionalization is before
+    # The Python wrapper's graphs are DeepSpeed's; the C++ wrapper's have their attention calls
+    # unwrapped in both graphs at once (below: why).
+    assert rng_prims.run_and_save_rng_state in calls(graphs[False][0])
+    assert rng_prims.run_with_rng_state in calls(graphs[False][1])
+    for gm in graphs[True]:
+        assert ATTENTION in calls(gm)
+        assert not {rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state} & set(calls(gm))
+
+
+def test_the_backward_runs_with_what_the_partitioned_forward_saved() -> None:
+    # DeepSpeed profiles a backward graph with the tensors the compiled forward saved, before
+    # inductor compiles that backward. A forward unwrapped alone (at its own compile) saves an
+    # empty state, which the backward's run_with_rng_state cannot restore: the profile stopped
+    # there ("RNG state is wrong size" on CUDA). Unwrapped together, they run.
+    from torch._inductor import config
+
+    def partition_and_run(partitioned: Callable) -> torch.Tensor:
+        fw, bw = partitioned(lambda *a, **k: (attention_graph(0.0), recompute_graph(0.0)))(
+            "joint", [], num_fwd_outputs=1)
+        state, _ = fw(*qkv())
+        return bw(state, *qkv())[0]
+
+    expected = recompute_graph(0.0)(torch.get_rng_state(), *qkv())[0]
+
+    def forward_alone(partition_fn: Callable) -> Callable:
+        def partition(*a: Any, **k: Any) -> Tuple[Any, Any]:
+            fw, bw = partition_fn(*a, **k)
+            ic.unwrap_attention_rng(fw)
+            return fw, bw
+
+        return partition
+
+    with pytest.raises(RuntimeError, match="RNG state"):
+        partition_and_run(forward_alone)
+    factory = ic._partitioning_without_graphsafe_rng(lambda partition_fn: partition_fn)
+    with config.patch(cpp_wrapper=True):
+        assert torch.equal(partition_and_run(factory), expected)
 
 
 def _through_the_backend(partition_fn: Callable) -> Callable:
@@ -306,17 +344,21 @@ def test_deepspeeds_own_partitioner_calls_run_without_graphsafe_rng_for_the_cpp_
     from torch._inductor import config
 
     seen: List[bool] = []
+    graphs = (torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()),
+              torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
+    for gm in graphs:
+        gm.graph.output(())
 
     def partition_fn(joint: Any, inputs: Any, *, num_fwd_outputs: int) -> Tuple[Any, Any]:
         seen.append(functorch_config.graphsafe_rng_functionalization)
-        return ("fw", "bw")
+        return graphs
 
     before = functorch_config.graphsafe_rng_functionalization
     undo = ic.DEEPCOMPILE_ATTENTION_RNG.apply()
     try:
         for on in (False, True):
             with config.patch(cpp_wrapper=on):
-                assert caller(partition_fn)("joint", [], num_fwd_outputs=1) == ("fw", "bw")
+                assert caller(partition_fn)("joint", [], num_fwd_outputs=1) == graphs
     finally:
         undo()
     assert seen == [before, False]

@@ -305,6 +305,29 @@ def test_profiler_and_persistence_functions(m) -> None:
     assert torch.equal(full, shard.detach()) and m.comm_stats()["allgather_calls"] == 0
 
 
+def test_a_profiled_run_that_stopped_midway_leaves_no_use_count(m) -> None:
+    """DeepSpeed's profiler carries on after an error in a graph's node (default figures for the
+    rest) and then clears what was gathered. Its run may have stopped between two users of a
+    gathered param: the real run's copy must still live until its own last user."""
+    m.init(local_group(), compile_config(), 4096)
+    shard = _z3_param(4)
+    m.register_z3_param(1, [4], shard, torch.zeros(4), False)
+    m.register_graph_z3(0, [1])
+    m.enable_profiling(True)
+    torch.ops.dc.allgather_param(torch.empty(0), 0, 1)
+    m.invalidate_gathered_param(1)
+    torch.ops.dc.release_param(torch.empty(0), 0, 1, 2)  # the first of two users, then the error
+    m.clear_all_gathered_params()
+    m.enable_profiling(False)
+
+    full = torch.ops.dc.allgather_param(torch.empty(0), 0, 1)
+    torch.ops.dc.wait_allgather(full, 0, 1)
+    torch.ops.dc.release_param(full, 0, 1, 2)
+    assert m.param_state(1)["gathered"] and torch.equal(full, shard.detach())
+    torch.ops.dc.release_param(full, 0, 1, 2)
+    assert not m.param_state(1)["gathered"]
+
+
 def test_reset_and_cleanup_lifecycle(m) -> None:
     assert not m.is_initialized()
     m.reset()  # before init: nothing to reset, no error

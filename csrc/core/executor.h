@@ -28,6 +28,10 @@ public:
     // Returns true when this was the last user, so the gathered copy can be freed.
     bool releaseUse(int64_t ds_id, int64_t n_users, const char* op);
     int64_t pendingUses(int64_t ds_id) const;
+    // Ends every round in progress: the next release of each param starts a new one. For a run
+    // of the graph that stopped between releases (DeepSpeed's profiler carries on after an
+    // error), whose gathered copies were dropped.
+    void clearUses() { use_counts_.clear(); }
 
     // ZeRO-1: gradients are summed locally until the accumulation boundary.
     void accumulateLocal(int64_t ds_id, const at::Tensor& grad);

@@ -268,6 +268,31 @@ TEST(Profiling, InvalidateAndClearThenReleaseWork)
     });
 }
 
+TEST(Profiling, ClearEndsTheUseCountOfAProfiledRunThatStoppedMidway)
+{
+    runRanks(2, smallConfig(), [&](int64_t, Runtime& rt) {
+        registerZ3(rt, 83, {4});
+        rt.registerGraph(kGraph, {83}, ZeroStage::Z3);
+        // The profiler's run: gathered, its first of two users released, then the run stops (an
+        // error in a later node) and the profiler clears what was gathered.
+        rt.enableProfiling(true);
+        at::Tensor profiled = rt.allgatherParam(kGraph, 83, std::nullopt);
+        rt.invalidateGatheredParam(83);
+        rt.releaseParam(kGraph, 83, 2);
+        rt.clearAllGatheredParams();
+        rt.enableProfiling(false);
+
+        // The real run: the copy lives until its second user is done.
+        at::Tensor a = rt.allgatherParam(kGraph, 83, std::nullopt);
+        rt.releaseParam(kGraph, 83, 2);
+        EXPECT_FALSE(freed(a));
+        EXPECT_TRUE(a.equal(fullParam(83, {4})));
+        rt.releaseParam(kGraph, 83, 2);
+        EXPECT_TRUE(freed(a));
+        EXPECT_FALSE(rt.paramState(83).gathered);
+    });
+}
+
 TEST(FreeTensors, FreesLargeTensorsExceptWhileProfiling)
 {
     RuntimeConfig config = smallConfig();

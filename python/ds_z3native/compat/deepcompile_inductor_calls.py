@@ -20,7 +20,8 @@ wrapper, and both are rewritten here just before inductor compiles a graph:
   (:func:`unwrap_attention_rng`). Any other wrapped op (a real dropout) keeps its wrapper. On CUDA
   the wrapper's generator state is a graph input that inductor requires to feed exactly one such
   call, so DeepSpeed's partitioner runs with AOTAutograd's ``graphsafe_rng_functionalization``
-  off (the other form, whose state is a tensor the rewrite can replace).
+  off (the other form, whose state is a tensor the rewrite can replace), and the rewrite runs on
+  the partitioner's forward and backward graphs together, before DeepSpeed profiles them.
 
 Both rewrites run only while inductor compiles with its C++ wrapper (:func:`cpp_wrapper_on`); the
 Python wrapper gets DeepSpeed's graphs as they are. They are functions of the graph alone (warm
@@ -252,7 +253,12 @@ PARTITIONER_CALLERS = (BACKEND_MODULE, "deepspeed.compile.inductor")
 
 def _partitioning_without_graphsafe_rng(get_wrapped_partitioner: Callable) -> Callable:
     """DeepSpeed's ``get_wrapped_partitioner``, whose partitioner runs with AOTAutograd's
-    ``graphsafe_rng_functionalization`` off while inductor's C++ wrapper is on."""
+    ``graphsafe_rng_functionalization`` off while inductor's C++ wrapper is on, and whose forward
+    and backward graphs then have their dropout-free attention unwrapped
+    (:func:`unwrap_attention_rng`) before DeepSpeed's passes see them. DeepSpeed profiles the
+    backward graph with the tensors the compiled forward saved: a forward unwrapped at its
+    compile saves an empty state, which the backward's ``run_with_rng_state`` cannot restore on
+    CUDA ("RNG state is wrong size"), and the profile stopped there."""
 
     def get_partitioner(*args: Any, **kwargs: Any) -> Callable:
         partition = get_wrapped_partitioner(*args, **kwargs)
@@ -263,7 +269,10 @@ def _partitioning_without_graphsafe_rng(get_wrapped_partitioner: Callable) -> Ca
             from torch._functorch import config as functorch_config
 
             with functorch_config.patch(graphsafe_rng_functionalization=False):
-                return partition(*a, **k)
+                graphs = partition(*a, **k)
+            for gm in graphs:
+                unwrap_attention_rng(gm)
+            return graphs
 
         return partition_for_the_wrapper
 

@@ -371,19 +371,17 @@ at::Tensor Runtime::allgatherParam(int64_t graph_id, int64_t ds_id,
 }
 
 void Runtime::groupOf(GraphExecutor& ex, int64_t graph_id, const std::vector<int64_t>& ds_ids,
-                      const std::optional<std::vector<at::ScalarType>>& dtypes, const char* op,
+                      const std::vector<std::optional<at::ScalarType>>& dtypes, const char* op,
                       std::vector<ParamEntry*>& params,
                       std::vector<std::optional<at::ScalarType>>& types)
 {
-    if (dtypes) {
-        DSZ_CHECK(dtypes->size() == ds_ids.size(), op, "graph ", graph_id, ": ", ds_ids.size(),
-                  " ids but ", dtypes->size(), " dtypes");
-    }
+    DSZ_CHECK(dtypes.empty() || dtypes.size() == ds_ids.size(), op, "graph ", graph_id, ": ",
+              ds_ids.size(), " ids but ", dtypes.size(), " dtypes");
     std::unordered_set<int64_t> seen;
     for (size_t i = 0; i < ds_ids.size(); ++i) {
         DSZ_CHECK(seen.insert(ds_ids[i]).second, op, "ds_id ", ds_ids[i], " listed twice");
         params.push_back(&member(ex, ds_ids[i], op));
-        types.push_back(dtypes ? std::optional<at::ScalarType>((*dtypes)[i]) : std::nullopt);
+        types.push_back(dtypes.empty() ? std::nullopt : dtypes[i]);
     }
 }
 
@@ -395,7 +393,9 @@ void Runtime::prefetchParamsFused(int64_t graph_id, const std::vector<int64_t>& 
     GraphExecutor& ex = executor(graph_id, op);
     std::vector<ParamEntry*> params;
     std::vector<std::optional<at::ScalarType>> types;
-    groupOf(ex, graph_id, ds_ids, dtypes, op, params, types);
+    std::vector<std::optional<at::ScalarType>> per_id;
+    if (dtypes) { per_id.assign(dtypes->begin(), dtypes->end()); }
+    groupOf(ex, graph_id, ds_ids, per_id, op, params, types);
     if (config_.sync_before_allgather) { device_->synchronizeDevice(); }
     gatherer_.prefetch(params, types, op);
     if (config_.sync_after_allgather) { device_->synchronizeDevice(); }
@@ -428,7 +428,7 @@ void Runtime::releaseParam(int64_t graph_id, int64_t ds_id, int64_t n_users)
 
 std::vector<at::Tensor> Runtime::gatherPersistent(
     int64_t graph_id, const std::vector<int64_t>& ds_ids,
-    const std::optional<std::vector<at::ScalarType>>& dtypes)
+    const std::vector<std::optional<at::ScalarType>>& dtypes)
 {
     DSZ_LOCK;
     const char* op = "gather_persistent";

@@ -95,9 +95,10 @@ public:
     // (set_persistent), in one call for a graph's group; gathers the ones without a valid copy
     // (trainable params after an optimizer step) in one collective group and waits for them.
     // Refuses a param that is not persistent: nothing would ever release its gathered copy.
+    // `dtypes`: empty (every param in its shard's dtype) or one per id (nullopt: the shard's).
     std::vector<at::Tensor> gatherPersistent(
         int64_t graph_id, const std::vector<int64_t>& ds_ids,
-        const std::optional<std::vector<at::ScalarType>>& dtypes);
+        const std::vector<std::optional<at::ScalarType>>& dtypes);
     void reduceGrad(int64_t graph_id, int64_t ds_id, const at::Tensor& grad);
     // ds_z3native's own op: reduce_grad for several gradients in one call (one lock, one wait of
     // the copy stream for the compute stream). Every id and gradient is checked before any is
@@ -146,9 +147,10 @@ private:
     ActivationOffload& offloadFor(int64_t graph_id, const char* op);
     void requireQueuedStaysReducible(const ParamEntry& next, const char* op);
     // The params of `ds_ids` in graph `ex` with their dtypes (refused: an id listed twice, not a
-    // member, or a dtype list of another length), for the ops that take a group.
+    // member, or a dtype list of another length), for the ops that take a group. `dtypes`: empty
+    // (the shards' dtypes) or one per id.
     void groupOf(GraphExecutor& ex, int64_t graph_id, const std::vector<int64_t>& ds_ids,
-                 const std::optional<std::vector<at::ScalarType>>& dtypes, const char* op,
+                 const std::vector<std::optional<at::ScalarType>>& dtypes, const char* op,
                  std::vector<ParamEntry*>& params,
                  std::vector<std::optional<at::ScalarType>>& types);
 

@@ -74,18 +74,19 @@ def stale() -> Tuple[Any, ...]:
     from ds_z3native import native
 
     optimizer_step(native())
-    return (GRAPH, [PH, PH], [1, 2])
+    return (GRAPH, [PH, PH], [1, 2], [])
 
 
 # ------------------------------------------------------------------------------------ opcheck
 
 # name -> (args built on a prepared runtime, kwargs)
 SAMPLES: Dict[str, Tuple[Callable[[], Tuple[Any, ...]], Dict[str, Any]]] = {
-    "kept": (lambda: (GRAPH, [PH, PH], [1, 2]), {}),
-    "registered_persistent_not_yet_gathered": (lambda: (GRAPH, [PH, PH], [5, 1]), {}),
+    "kept": (lambda: (GRAPH, [PH, PH], [1, 2], []), {}),
+    "registered_persistent_not_yet_gathered": (lambda: (GRAPH, [PH, PH], [5, 1], []), {}),
     "dtypes": (lambda: (GRAPH, [PH, PH, PH], [2, 1, 5],
                         [torch.bfloat16, torch.float32, torch.float16]), {}),
     "dtypes_kw": (lambda: (GRAPH, [PH], [1]), {"dtypes": [torch.bfloat16]}),
+    "dtypes_some_of_the_shards": (lambda: (GRAPH, [PH, PH], [1, 2], [None, torch.float16]), {}),
     "after_optimizer_step": (stale, {}),
 }
 
@@ -103,7 +104,7 @@ def test_the_op_has_a_meta_kernel_and_a_kernel_for_every_device() -> None:
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta")
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")
     assert str(op()._schema) == ("ds_z3native::gather_persistent(int graph_id, Tensor[] params, "
-                                 "int[] ids, ScalarType[]? dtypes=None) -> Tensor[]")
+                                 "int[] ids, ScalarType?[] dtypes) -> Tensor[]")
 
 
 # ------------------------------------------------------------------------------------- values
@@ -112,7 +113,7 @@ def test_returns_the_full_params_in_their_shapes() -> None:
     with live_runtime() as m:
         prepare(m)
         m.reset_comm_stats()
-        out = op()(GRAPH, [PH, PH, PH], [2, 1, 5])
+        out = op()(GRAPH, [PH, PH, PH], [2, 1, 5], [])
         assert [t.shape for t in out] == [SHAPES[2], SHAPES[1], SHAPES[5]]
         assert all(t.dtype == torch.float32 for t in out)
         for t, ds_id in zip(out, (2, 1, 5)):
@@ -132,12 +133,20 @@ def test_returns_the_requested_dtypes() -> None:
             assert torch.equal(t, full(ds_id, dtype))
 
 
+def test_a_dtype_of_none_gives_that_params_shard_dtype() -> None:
+    with live_runtime() as m:
+        prepare(m)
+        out = op()(GRAPH, [PH, PH], [1, 2], [None, torch.bfloat16])
+        assert out[0].dtype == torch.float32 and torch.equal(out[0], full(1, torch.float32))
+        assert out[1].dtype == torch.bfloat16 and torch.equal(out[1], full(2, torch.bfloat16))
+
+
 def test_a_second_call_hands_out_the_kept_copies_without_gathering() -> None:
     with live_runtime() as m:
         prepare(m)
-        first = op()(GRAPH, [PH, PH], [1, 2])
+        first = op()(GRAPH, [PH, PH], [1, 2], [])
         m.reset_comm_stats()
-        second = op()(GRAPH, [PH, PH], [1, 2])
+        second = op()(GRAPH, [PH, PH], [1, 2], [])
         assert m.comm_stats()["allgather_calls"] == 0
         for a, b, ds_id in zip(first, second, (1, 2)):
             assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
@@ -154,13 +163,13 @@ def test_after_an_optimizer_step_a_trainable_param_is_regathered_a_frozen_one_is
     # step both read what the optimizer wrote, and no copy is made.
     with live_runtime() as m:
         s = prepare(m)
-        before = op()(GRAPH, [PH, PH], [1, 2])
+        before = op()(GRAPH, [PH, PH], [1, 2], [])
         assert [t.data_ptr() for t in before] == [s[1].data_ptr(), s[2].data_ptr()]
         optimizer_step(m)
         assert not m.param_state(1)["valid"] and m.param_state(2)["valid"]
         s[1].mul_(-2).add_(1)  # the optimizer writes the trainable shard in place
         m.reset_comm_stats()
-        out = op()(GRAPH, [PH, PH], [1, 2])
+        out = op()(GRAPH, [PH, PH], [1, 2], [])
         assert m.comm_stats()["allgather_calls"] == 1  # the trainable one, counted, not copied
         assert torch.equal(out[0], (full(1) * -2 + 1))
         assert torch.equal(out[1], full(2))
@@ -168,7 +177,7 @@ def test_after_an_optimizer_step_a_trainable_param_is_regathered_a_frozen_one_is
         assert m.param_state(1)["valid"] and m.param_state(1)["persistent"]
         # And kept again.
         m.reset_comm_stats()
-        again = op()(GRAPH, [PH, PH], [1, 2])
+        again = op()(GRAPH, [PH, PH], [1, 2], [])
         assert m.comm_stats()["allgather_calls"] == 0
         assert again[0].data_ptr() == out[0].data_ptr()
         assert torch.equal(again[0], full(1) * -2 + 1)
@@ -189,18 +198,18 @@ def test_after_an_optimizer_step_the_requested_dtype_is_gathered() -> None:
 
 # name -> (args, pattern the message must match)
 REFUSALS: Dict[str, Tuple[Tuple[Any, ...], str]] = {
-    "not_persistent": ((GRAPH, [PH, PH], [1, 3]),
+    "not_persistent": ((GRAPH, [PH, PH], [1, 3], []),
                        r"gather_persistent: ds_id 3 of graph 3 is not persistent"),
-    "unknown_id": ((GRAPH, [PH, PH], [1, 99]), r"gather_persistent: unknown ds_id 99"),
-    "not_in_graph": ((GRAPH, [PH, PH], [1, 4]),
+    "unknown_id": ((GRAPH, [PH, PH], [1, 99], []), r"gather_persistent: unknown ds_id 99"),
+    "not_in_graph": ((GRAPH, [PH, PH], [1, 4], []),
                      r"gather_persistent: ds_id 4 is not a parameter of graph 3"),
-    "duplicate": ((GRAPH, [PH, PH, PH], [1, 2, 1]), r"gather_persistent: ds_id 1 listed twice"),
-    "empty": ((GRAPH, [], []), r"gather_persistent: graph 3: no ds_ids"),
-    "params_ids_length": ((GRAPH, [PH], [1, 2]),
+    "duplicate": ((GRAPH, [PH, PH, PH], [1, 2, 1], []), r"gather_persistent: ds_id 1 listed twice"),
+    "empty": ((GRAPH, [], [], []), r"gather_persistent: graph 3: no ds_ids"),
+    "params_ids_length": ((GRAPH, [PH], [1, 2], []),
                           r"gather_persistent: graph 3: 1 params but 2 ids"),
     "dtypes_length": ((GRAPH, [PH, PH], [1, 2], [torch.bfloat16]),
                       r"gather_persistent: graph 3: 2 ids but 1 dtypes"),
-    "unknown_graph": ((9, [PH], [1]), r"gather_persistent: unknown graph_id 9"),
+    "unknown_graph": ((9, [PH], [1], []), r"gather_persistent: unknown graph_id 9"),
     "unsupported_dtype": ((GRAPH, [PH, PH], [2, 1], [torch.float32, torch.complex64]),
                           r"gather_persistent: ds_id 1 cannot be gathered in ComplexFloat"),
 }
@@ -219,7 +228,7 @@ def test_refusal_names_the_op_and_value_and_gathers_nothing(case: str) -> None:
         assert m.comm_stats()["allgather_calls"] == 0
         assert not m.param_state(1)["valid"]
         assert not m.param_state(3)["gathered"]
-        out = op()(GRAPH, [PH, PH], [1, 2])
+        out = op()(GRAPH, [PH, PH], [1, 2], [])
         assert torch.equal(out[0], full(1) + 1) and torch.equal(out[1], full(2))
         assert m.comm_stats()["allgather_calls"] == 1
 
@@ -235,7 +244,7 @@ def test_a_param_whose_persistence_was_declined_is_refused() -> None:
         assert not m.param_state(1)["persistent"] and m.persistence_info()["declined"] == 1
         with pytest.raises(RuntimeError, match=r"gather_persistent: ds_id 1 of graph 3 is not "
                                                r"persistent"):
-            op()(GRAPH, [PH], [1])
+            op()(GRAPH, [PH], [1], [])
         assert not m.param_state(1)["gathered"]
 
 
@@ -244,7 +253,7 @@ def test_without_a_runtime_the_op_is_refused() -> None:
 
     native().cleanup()
     with pytest.raises(RuntimeError, match=r"gather_persistent: the runtime is not initialized"):
-        op()(GRAPH, [PH], [1])
+        op()(GRAPH, [PH], [1], [])
 
 
 def test_meta_kernel_returns_full_shapes_in_the_requested_dtypes() -> None:
@@ -255,7 +264,10 @@ def test_meta_kernel_returns_full_shapes_in_the_requested_dtypes() -> None:
             ph = torch.empty(0)
             out = op()(GRAPH, [ph, ph, ph], [1, 2, 5],
                        [torch.bfloat16, torch.float16, torch.float32])
-            plain = op()(GRAPH, [ph], [3])  # shapes only: persistence is the device kernel's
+            plain = op()(GRAPH, [ph], [3], [])  # shapes only: persistence is the device kernel's
+            some = op()(GRAPH, [ph, ph], [1, 2], [torch.float16, None])
+        assert [(t.shape, t.dtype) for t in some] == [(SHAPES[1], torch.float16),
+                                                      (SHAPES[2], torch.float32)]
         assert [(t.shape, t.dtype) for t in out] == [
             (SHAPES[1], torch.bfloat16), (SHAPES[2], torch.float16), (SHAPES[5], torch.float32)]
         assert plain[0].shape == SHAPES[3] and plain[0].dtype == torch.float32
@@ -265,10 +277,10 @@ def test_meta_kernel_returns_full_shapes_in_the_requested_dtypes() -> None:
 
 # name -> (args from a fake placeholder, pattern the message must match)
 META_REFUSALS: Dict[str, Tuple[Callable[[torch.Tensor], Tuple[Any, ...]], str]] = {
-    "unknown_id": (lambda ph: (GRAPH, [ph, ph], [1, 99]),
+    "unknown_id": (lambda ph: (GRAPH, [ph, ph], [1, 99], []),
                    r"gather_persistent \(meta\): unknown ds_id 99"),
-    "empty": (lambda ph: (GRAPH, [], []), r"gather_persistent \(meta\): graph 3: no ds_ids"),
-    "params_ids_length": (lambda ph: (GRAPH, [ph], [1, 2]),
+    "empty": (lambda ph: (GRAPH, [], [], []), r"gather_persistent \(meta\): graph 3: no ds_ids"),
+    "params_ids_length": (lambda ph: (GRAPH, [ph], [1, 2], []),
                           r"gather_persistent \(meta\): graph 3: 1 params but 2 ids"),
     "dtypes_length": (lambda ph: (GRAPH, [ph], [1], [torch.float16, torch.float32]),
                       r"gather_persistent \(meta\): graph 3: 1 ids but 2 dtypes"),
@@ -284,7 +296,7 @@ def test_meta_kernel_refusals(case: str) -> None:
             ph = torch.empty(0)
             with pytest.raises(RuntimeError, match=pattern):
                 op()(*build(ph))
-            out = op()(GRAPH, [ph], [1])  # still usable
+            out = op()(GRAPH, [ph], [1], [])  # still usable
         assert out[0].shape == SHAPES[1] and out[0].dtype == torch.float32
 
 
@@ -384,7 +396,7 @@ def test_pass_structure() -> None:
     assert len(groups) == 1
     group = groups[0]
     graph_id, params, ids, dtypes = group.args
-    assert graph_id == GRAPH and ids == [2, 1] and dtypes is None  # first-gather order
+    assert graph_id == GRAPH and ids == [2, 1] and dtypes == []  # first-gather order
     assert [p.name for p in params] == ["p2", "p1"]
     # Inserted before the first gather it replaces: after the [2] prefetch it erased.
     order = list(gm.graph.nodes)

@@ -1,12 +1,14 @@
 // ds_z3native's own operators (library `ds_z3native`, beside DeepSpeed's `dc`): graph rewrites of
 // ds_z3native's DeepCompile patches emit them; DeepSpeed never calls them.
 //
-//   gather_persistent(int graph_id, Tensor[] params, int[] ids, ScalarType[]? dtypes) -> Tensor[]
+//   gather_persistent(int graph_id, Tensor[] params, int[] ids, ScalarType?[] dtypes) -> Tensor[]
 //
 // The full tensors of the listed params, each kept gathered by set_persistent, in one call: what
 // allgather_param + wait_allgather give one param at a time (release_param keeps a persistent
 // param gathered). `params` are the graph's param inputs, taken for the graph's data flow only,
-// as allgather_param takes its first argument.
+// as allgather_param takes its first argument. `dtypes` is empty (every param in its shard's dtype)
+// or has one entry per id (None: that param's shard dtype). A list, not an optional list: torch
+// 2.11's inductor C++ wrapper cannot pass an optional list to an op it calls through Python.
 //
 //   reduce_grads(int graph_id, Tensor[] grads, int[] ids) -> Tensor
 //
@@ -35,18 +37,19 @@ namespace {
 
 using current_runtime::get;
 
+using DtypePerId = std::vector<std::optional<at::ScalarType>>;
+
 void requireSameLength(int64_t graph_id, at::TensorList params, at::IntArrayRef ids,
-                       const std::optional<std::vector<at::ScalarType>>& dtypes, const char* op)
+                       const DtypePerId& dtypes, const char* op)
 {
     DSZ_CHECK(params.size() == ids.size(), op, "graph ", graph_id, ": ", params.size(),
               " params but ", ids.size(), " ids");
-    DSZ_CHECK(!dtypes || dtypes->size() == ids.size(), op, "graph ", graph_id, ": ", ids.size(),
-              " ids but ", dtypes ? dtypes->size() : 0, " dtypes");
+    DSZ_CHECK(dtypes.empty() || dtypes.size() == ids.size(), op, "graph ", graph_id, ": ",
+              ids.size(), " ids but ", dtypes.size(), " dtypes");
 }
 
 std::vector<at::Tensor> gather_persistent(int64_t graph_id, at::TensorList params,
-                                          at::IntArrayRef ids,
-                                          std::optional<std::vector<at::ScalarType>> dtypes)
+                                          at::IntArrayRef ids, DtypePerId dtypes)
 {
     requireSameLength(graph_id, params, ids, dtypes, "gather_persistent");
     GilReleasedIfHeld no_gil;  // see python_gil.h
@@ -54,8 +57,7 @@ std::vector<at::Tensor> gather_persistent(int64_t graph_id, at::TensorList param
 }
 
 std::vector<at::Tensor> gather_persistent_meta(int64_t graph_id, at::TensorList params,
-                                               at::IntArrayRef ids,
-                                               std::optional<std::vector<at::ScalarType>> dtypes)
+                                               at::IntArrayRef ids, DtypePerId dtypes)
 {
     const char* op = "gather_persistent (meta)";
     requireSameLength(graph_id, params, ids, dtypes, op);
@@ -66,7 +68,7 @@ std::vector<at::Tensor> gather_persistent_meta(int64_t graph_id, at::TensorList 
     out.reserve(ids.size());
     for (size_t i = 0; i < ids.size(); ++i) {
         out.push_back(runtime->gatheredMeta(
-            ids[i], dtypes ? std::optional<at::ScalarType>((*dtypes)[i]) : std::nullopt, op));
+            ids[i], dtypes.empty() ? std::nullopt : dtypes[i], op));
     }
     return out;
 }
@@ -121,7 +123,7 @@ void end_backward_tensors_meta(at::TensorList deps, int64_t graph_id, bool)
 
 TORCH_LIBRARY(ds_z3native, m)
 {
-    m.def("gather_persistent(int graph_id, Tensor[] params, int[] ids, ScalarType[]? dtypes=None)"
+    m.def("gather_persistent(int graph_id, Tensor[] params, int[] ids, ScalarType?[] dtypes)"
           " -> Tensor[]",
           dsz::ops::hostStatefulOpTags());
     m.def("reduce_grads(int graph_id, Tensor[] grads, int[] ids) -> Tensor",

@@ -95,21 +95,6 @@ def _gather_dtype(node: Any) -> Any:
     return node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")
 
 
-def _shard_dtype(node: Any) -> Any:
-    """The dtype an ``allgather_param`` node without one gathers in (the shard's): that of its
-    traced value, else as the op's Meta kernel gives it; None where neither is known."""
-    import torch
-
-    dtype = getattr(node.meta.get("val"), "dtype", None)
-    if dtype is not None:
-        return dtype
-    try:
-        return torch.ops.dc.allgather_param.default(
-            torch.empty(0, device="meta"), node.args[1], node.args[2]).dtype
-    except RuntimeError:  # no runtime, or a param it does not know
-        return None
-
-
 def group_persistent_gathers(gm: Any, graph_id: int, graph_order: Any, profiling_results: Any,
                              create_inputs_fn: Any, mem_budget: Any, param_manager: Any,
                              bwd: bool, is_persistent: Optional[Callable[[int], bool]] = None
@@ -148,12 +133,6 @@ def group_persistent_gathers(gm: Any, graph_id: int, graph_order: Any, profiling
         if not isinstance(source, torch.fx.Node) or source.op != "placeholder":
             continue
         chosen.append((ds_id, source, next(iter(dtypes))))
-    if any(dtype is None for _, _, dtype in chosen) and \
-            any(dtype is not None for _, _, dtype in chosen):
-        # One list names every dtype: a gather without one gets its shard's.
-        resolved = [(ds_id, source, dtype if dtype is not None
-                     else _shard_dtype(gathers[ds_id][0])) for ds_id, source, dtype in chosen]
-        chosen = [c for c in resolved if c[2] is not None]
     if not chosen:
         return None
     register_fallback_lowering(gather_persistent_op(), never_reuse_inputs=False)
@@ -166,7 +145,8 @@ def group_persistent_gathers(gm: Any, graph_id: int, graph_order: Any, profiling
         group = graph.call_function(
             gather_persistent_op(),
             (graph_id, [source for _, source, _ in chosen], ids,
-             None if all(d is None for d in dtypes) else dtypes))
+             # One entry per id (None: the shard's dtype), or none at all.
+             [] if all(d is None for d in dtypes) else dtypes))
         group.meta["val"] = [gathers[ds_id][0].meta.get("val") for ds_id in ids]
         full = {}
         for i, ds_id in enumerate(ids):

@@ -152,8 +152,10 @@ void Runtime::registerZ3Param(int64_t ds_id, const std::vector<int64_t>& shape,
                   "expected_grad_dtype of ds_id ", ds_id,
                   " must be Float, Double, Half or BFloat16, got ", *expected_grad_dtype);
     }
-    // An undefined or empty buffer is how DeepSpeed registers a param without gradients.
-    e.frozen = !(grad_buffer.defined() && grad_buffer.numel() > 0);
+    // DeepSpeed registers a param without gradients with an undefined buffer (an empty one, for
+    // a param with elements, means the same). A trainable param without elements has an empty
+    // grad partition: it stays trainable, and its gradient reduces to nothing.
+    e.frozen = !grad_buffer.defined() || (grad_buffer.numel() == 0 && e.numel > 0);
     if (!e.frozen) {
         prepareGradBuffer(grad_buffer, e, 0, op);
         e.grad_buffer = grad_buffer;

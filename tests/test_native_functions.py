@@ -227,6 +227,33 @@ def test_register_z3_param_deepspeed_arities_and_buffers(m) -> None:
     assert m.comm_stats()["reduce_bucket_bytes"] == 12 * 4 + 12 * 2
 
 
+def test_a_trainable_param_without_elements_stays_trainable(m) -> None:
+    """A trainable param with no elements has an empty grad partition (DeepSpeed hands its view
+    of the gradient buffer, 0 elements): it is registered trainable, its gradient is taken and
+    reduces to nothing, as DeepSpeed's executor does, and the other gradients land as usual.
+    An empty buffer cannot tell it from a frozen one of no elements (DeepSpeed registers those with
+    torch.Tensor(), also empty): a frozen one is declared frozen (set_param_frozen, as ds_z3native
+    does after init_z3 for every requires_grad=False param) or registered with None."""
+    m.init(local_group(), compile_config(), 4096)
+    flat = torch.zeros(6)
+    m.register_z3_param(1, torch.Size([0]), _z3_param(0), flat[:0], False, torch.float32)
+    m.register_z3_param(2, torch.Size([2, 3]), _z3_param(6), flat, False, torch.float32)
+    m.register_z3_param(3, torch.Size([0, 4]), _z3_param(0), torch.Tensor(), False)
+    m.register_z3_param(4, torch.Size([0]), _z3_param(0), None, False)
+    assert [m.is_param_frozen(i) for i in (1, 2, 3, 4)] == [False, False, False, True]
+    m.set_param_frozen(3, True)
+    m.register_graph_z3(0, [1, 2, 3, 4])
+    m.start_backward(True)
+    g = torch.randn(2, 3)
+    torch.ops.dc.reduce_grad(torch.empty(0), 0, 1)
+    torch.ops.dc.reduce_grad(g, 0, 2)
+    torch.ops.dc.end_backward([None], 0, True)
+    assert torch.equal(flat, g.reshape(-1))
+    assert m.comm_stats()["reduce_scatter_calls"] == 1  # param 2's; param 1 has nothing to reduce
+    with pytest.raises(RuntimeError, match=r"reduce_grad: ds_id 3 is frozen"):
+        torch.ops.dc.reduce_grad(torch.empty(0, 4), 0, 3)
+
+
 def test_register_param_and_update_grad_buffer_z1_z2(m) -> None:
     m.init(local_group(), compile_config(), 4096)
     p1 = torch.nn.Parameter(torch.randn(3, 4))

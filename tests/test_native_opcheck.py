@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import ds_z3native
 from ds_z3native.dc_ops import DC_OPS
@@ -28,8 +29,10 @@ GRAPH = 0
 THRESHOLD = 10  # free_activation_threshold of the runtime the samples run on
 
 # opcheck's schema test turns every argument into a keyword, which cannot express DeepSpeed's
-# schemas "(Tensor a, int id, int id)" (two arguments named id).
-DUPLICATE_ARG_NAMES = {"test_schema": "DeepSpeed's schema names two arguments 'id'"}
+# schemas "(Tensor a, int id, int id)" (two arguments named id). Those samples go through
+# positional_schema_check instead, which checks the same things.
+DUPLICATE_ARG_NAMES = {"test_schema": "DeepSpeed's schema names two arguments 'id' (checked "
+                                      "positionally instead)"}
 # wait_allgather/release_param are DeepSpeed's "Tensor(a) a -> Tensor(a)" ops and return their
 # input itself, as DeepSpeed's kernels do. SchemaCheckMode allows returning an input object only
 # for mutating ops, and AOT autograd cannot functionalize a custom op with an aliased output;
@@ -56,6 +59,7 @@ class Sample:
 
 
 SHAPES = {1: (3, 5), 2: (7,), 3: (2, 2)}
+LAYOUTS = ("contiguous", "transposed", "offset")
 
 
 def param_values() -> Dict[int, torch.Tensor]:
@@ -80,16 +84,31 @@ def gathered(ds_id: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     return torch.ops.dc.allgather_param(placeholder(), GRAPH, ds_id, dtype)
 
 
-def offloaded(value_id: int) -> torch.Tensor:
-    t = torch.arange(16.0).reshape(4, 4)
-    torch.ops.dc.offload_tensor(t, GRAPH, value_id)
-    return t
+def activation(layout: str = "contiguous") -> torch.Tensor:
+    """A saved activation: contiguous, a transposed view (dense, not contiguous) or a view at a
+    storage offset (SDPA outputs and permuted clones are saved like the second)."""
+    base = torch.arange(32.0)
+    if layout == "transposed":
+        return base[:16].reshape(4, 4).t()
+    if layout == "offset":
+        return base[5:21].reshape(4, 4)
+    return base[:16].reshape(4, 4)
 
 
-def reloaded(value_id: int) -> torch.Tensor:
-    t = offloaded(value_id)
-    torch.ops.dc.reload_tensor(t, GRAPH, value_id)
-    return t
+def offloaded(value_id: int, layout: str = "contiguous") -> torch.Tensor:
+    """What DeepCompile's graph hands wait_offload: offload_tensor's output."""
+    waited = torch.ops.dc.offload_tensor(activation(layout), GRAPH, value_id)
+    return waited
+
+
+def saved(value_id: int, layout: str = "contiguous") -> torch.Tensor:
+    """What the forward saves for the backward: wait_offload's output."""
+    return torch.ops.dc.wait_offload(offloaded(value_id, layout), GRAPH, value_id)
+
+
+def reloaded(value_id: int, layout: str = "contiguous") -> torch.Tensor:
+    """What DeepCompile's backward hands wait_reload: reload_tensor's output."""
+    return torch.ops.dc.reload_tensor(saved(value_id, layout), GRAPH, value_id)
 
 
 def queued_gradient() -> torch.Tensor:
@@ -144,13 +163,30 @@ def _check_not_freed(m, args, out) -> None:
     assert [t.numel() for t in args[0]] == [5, THRESHOLD]
 
 
-def _check_offloaded(m, args, out) -> None:
-    assert out.device.type == "cpu" and torch.equal(out, args[0])
-    assert out.data_ptr() != args[0].data_ptr()
+def _check_stand_in(m, args, out) -> None:
+    # The activation's shape on its device, one element broadcast: the values stay with the
+    # runtime, and no memory is shared with the input.
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    assert out.stride() == (0,) * out.dim() and not torch._C._overlaps(out, args[0])
+    assert not out.any()
 
 
-def _check_reloaded(m, args, out) -> None:
-    assert torch.equal(out, torch.arange(16.0).reshape(4, 4))
+def _check_offload_round_trip(layout: str) -> Callable[[Any, Tuple[Any, ...], Any], None]:
+    def check(m, args, out) -> None:
+        _check_stand_in(m, args, out)
+        value_id = args[2]
+        back = torch.ops.dc.wait_offload(out, GRAPH, value_id)
+        back = torch.ops.dc.reload_tensor(back, GRAPH, value_id)
+        back = torch.ops.dc.wait_reload(back, GRAPH, value_id)
+        assert torch.equal(back, activation(layout)) and back.is_contiguous()
+    return check
+
+
+def _check_reloaded(layout: str) -> Callable[[Any, Tuple[Any, ...], Any], None]:
+    def check(m, args, out) -> None:
+        assert torch.equal(out, activation(layout)) and out.is_contiguous()
+        assert not torch._C._overlaps(out, args[0])
+    return check
 
 
 def _check_params_intact(m, args, out) -> None:
@@ -206,20 +242,24 @@ SAMPLES: Dict[str, List[Sample]] = {
                check=_check_freed),
     ],
     "offload_tensor": [
-        Sample("activation", lambda m: (torch.arange(16.0).reshape(4, 4), GRAPH, 7),
-               skip=DUPLICATE_ARG_NAMES, check=_check_offloaded),
+        Sample(f"activation_{layout}", lambda m, layout=layout: (activation(layout), GRAPH, 7),
+               skip=DUPLICATE_ARG_NAMES, check=_check_offload_round_trip(layout))
+        for layout in LAYOUTS
     ],
     "wait_offload": [
-        Sample("after_offload", lambda m: (offloaded(7), GRAPH, 7), skip=DUPLICATE_ARG_NAMES,
-               check=_check_offloaded),
+        Sample(f"after_offload_{layout}", lambda m, layout=layout: (offloaded(7, layout), GRAPH, 7),
+               skip=DUPLICATE_ARG_NAMES, check=_check_stand_in)
+        for layout in LAYOUTS
     ],
     "reload_tensor": [
-        Sample("after_offload", lambda m: (offloaded(7), GRAPH, 7), skip=DUPLICATE_ARG_NAMES,
-               check=_check_reloaded),
+        Sample(f"saved_{layout}", lambda m, layout=layout: (saved(7, layout), GRAPH, 7),
+               skip=DUPLICATE_ARG_NAMES, check=_check_stand_in)
+        for layout in LAYOUTS
     ],
     "wait_reload": [
-        Sample("after_reload", lambda m: (reloaded(7), GRAPH, 7), skip=DUPLICATE_ARG_NAMES,
-               check=_check_reloaded),
+        Sample(f"after_reload_{layout}", lambda m, layout=layout: (reloaded(7, layout), GRAPH, 7),
+               skip=DUPLICATE_ARG_NAMES, check=_check_reloaded(layout))
+        for layout in LAYOUTS
     ],
     "offload_parameter": [
         Sample("param", lambda m: (placeholder(), GRAPH, 1), skip=DUPLICATE_ARG_NAMES,
@@ -264,6 +304,29 @@ def test_every_listed_op_has_a_meta_kernel_and_samples() -> None:
         f"samples of unlisted ops {sorted(set(SAMPLES) - set(OPS))}")
 
 
+def positional_schema_check(op: Any, args: Tuple[Any, ...], what: str) -> None:
+    """What opcheck's test_schema checks, with the arguments passed by position (DeepSpeed's
+    schemas that name two arguments ``id`` cannot be bound by keyword): no argument the schema does
+    not mark mutable changes (values, strides, storage), and no output overlaps an argument or
+    another output where the schema declares no alias."""
+    schema = op._schema
+    assert not any(a.alias_info is not None for a in schema.arguments), what
+    assert not any(r.alias_info is not None for r in schema.returns), what
+    inputs = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+    before = [(a.clone(), a.stride(), a.untyped_storage()._cdata) for a in inputs]
+    out = op(*args)
+    outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+    for i, (a, (values, stride, storage)) in enumerate(zip(inputs, before)):
+        assert torch.equal(a, values), f"{what}: input {i} was changed"
+        assert (a.stride(), a.untyped_storage()._cdata) == (stride, storage), (
+            f"{what}: input {i}'s strides or storage were changed")
+    for i, o in enumerate(outputs):
+        for j, a in enumerate(inputs):
+            assert not torch._C._overlaps(o, a), f"{what}: output {i} overlaps input {j}"
+        for k, other in enumerate(outputs[:i]):
+            assert not torch._C._overlaps(o, other), f"{what}: output {i} overlaps output {k}"
+
+
 @pytest.mark.parametrize("op_name", OPS)
 def test_opcheck(op_name: str) -> None:
     assert op_name in SAMPLES, f"no opcheck sample for dc::{op_name}"
@@ -271,9 +334,13 @@ def test_opcheck(op_name: str) -> None:
     config = compile_config(free_activation_threshold=THRESHOLD)
     for sample in SAMPLES[op_name]:
         assert set(sample.skip) <= set(UTILS) and len(sample.skip) < len(UTILS)
-        opcheck_on_fresh_runtimes(op, sample.args, prepare,
-                                  f"dc::{op_name} sample {sample.name!r}", sample.kwargs, config,
+        what = f"dc::{op_name} sample {sample.name!r}"
+        opcheck_on_fresh_runtimes(op, sample.args, prepare, what, sample.kwargs, config,
                                   sample.skip)
+        if sample.skip is DUPLICATE_ARG_NAMES:
+            with live_runtime(config) as m:
+                prepare(m)
+                positional_schema_check(op, sample.args(m), what)
         if sample.check is not None:
             with live_runtime(config) as m:
                 prepare(m)

@@ -1,6 +1,9 @@
 #include "core/gatherer.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
+#include <cstdint>
 
 #include "core/check.h"
 
@@ -53,12 +56,32 @@ at::Tensor Gatherer::shardForGather(ParamEntry& p, at::ScalarType dtype)
     return shard.dim() == 1 ? shard : shard.view(-1);
 }
 
+bool isGatherAligned(const at::Tensor& t)
+{
+    return reinterpret_cast<std::uintptr_t>(t.const_data_ptr()) % kGatherAlignment == 0;
+}
+
 bool Gatherer::aliasesShard(const ParamEntry& p, at::ScalarType dtype) const
 {
     if (comm_.worldSize() != 1 || p.reloaded.defined()) { return false; }
     const at::Tensor& s = p.shard;
+    // ZeRO-3 keeps its partitions as views into one flat buffer: a shard that starts off the
+    // alignment inductor assumes for an op's output is copied instead.
     return s.scalar_type() == dtype && s.numel() == p.layout.padded && s.is_contiguous() &&
-           s.device() == device_.computeDevice();
+           s.device() == device_.computeDevice() && isGatherAligned(s);
+}
+
+// The shard's memory under a storage of its own. Every other param's shard lies in the same flat
+// buffer, so views of it would share one storage, and the outputs of one gather_persistent call
+// would alias each other for torch (its custom-op contract refuses that). Their memory does not
+// overlap; the flat buffer stays alive while the tensor does.
+static at::Tensor ownStorageOf(const at::Tensor& flat)
+{
+    c10::Storage keep_alive = flat.storage();
+    return at::from_blob(
+        flat.data_ptr(), flat.sizes(), flat.strides(),
+        [keep_alive](void*) mutable { keep_alive = c10::Storage(); }, flat.options(),
+        flat.device());
 }
 
 void Gatherer::useShard(ParamEntry& p)
@@ -69,7 +92,7 @@ void Gatherer::useShard(ParamEntry& p)
         device_.recordStream(p.gathered, StreamRole::Compute);
     }
     at::Tensor flat = p.shard.requires_grad() ? p.shard.detach() : p.shard;
-    p.gathered = flat.dim() == 1 ? flat : flat.view(-1);
+    p.gathered = ownStorageOf(flat.dim() == 1 ? flat : flat.view(-1));
     p.gathered_is_shard = true;
     p.has_gathered = true;
     p.valid = true;

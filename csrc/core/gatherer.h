@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -13,6 +14,11 @@
 #include "device/device.h"
 
 namespace dsz {
+
+// Bytes every gathered buffer handed out is aligned to: inductor's generated code asserts it of
+// a custom op's outputs (GPU_ALIGN_BYTES) and its kernels rely on it.
+constexpr std::uintptr_t kGatherAlignment = 16;
+bool isGatherAligned(const at::Tensor& t);
 
 class Gatherer {
 public:
@@ -38,9 +44,10 @@ public:
     // Frozen params never change, so their copies stay valid.
     static void invalidateAfterStep(ParamEntry& p);
 
-    // On one rank, a gather in the shard's own dtype of a shard that sits contiguous on the
-    // compute device needs no copy: the gathered param is the shard. Such a gather issues no
-    // collective, takes no memory, and its release leaves the shard alone.
+    // On one rank, a gather in the shard's own dtype of a shard that sits contiguous and
+    // aligned (kGatherAlignment) on the compute device needs no copy: the gathered param is the
+    // shard's memory, under a storage of its own. Such a gather issues no collective, takes no
+    // memory, and its release leaves the shard alone.
     bool aliasesShard(const ParamEntry& p, at::ScalarType dtype) const;
 
     // Full-shape metadata of the gathered param (for the Meta kernel).

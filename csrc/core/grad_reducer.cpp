@@ -139,6 +139,8 @@ void GradReducer::addGroup(const std::vector<ParamEntry*>& params,
             const at::Tensor& grad = converted[i];
             const at::ScalarType dtype = grad.scalar_type();
             const int64_t slot_n = p.slotNumel();
+            // A trainable param without elements: nothing to reduce, nothing to write.
+            if (slot_n == 0) { continue; }
 
             PerDtype& state = stateFor(dtype, grad.device());
             if (state.bucket().cursor().needsFlushFor(slot_n)) {

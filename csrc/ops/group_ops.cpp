@@ -53,7 +53,9 @@ std::vector<at::Tensor> gather_persistent(int64_t graph_id, at::TensorList param
 {
     requireSameLength(graph_id, params, ids, dtypes, "gather_persistent");
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    return get("gather_persistent")->gatherPersistent(graph_id, ids.vec(), dtypes);
+    std::vector<at::Tensor> out = get("gather_persistent")->gatherPersistent(graph_id, ids.vec(), dtypes);
+    for (at::Tensor& t : out) { t = disjointFromInputs(t, params); }
+    return out;
 }
 
 std::vector<at::Tensor> gather_persistent_meta(int64_t graph_id, at::TensorList params,

@@ -2,8 +2,11 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
@@ -14,11 +17,35 @@ namespace dsz::ops {
 
 using current_runtime::get;
 
-at::Tensor allgather_param(const at::Tensor&, int64_t graph_id, int64_t id,
+namespace {
+
+// The bytes of the storage under `t` ([begin, end); empty when it holds none).
+std::pair<std::uintptr_t, std::uintptr_t> storageBytes(const at::Tensor& t)
+{
+    if (!t.defined() || !t.has_storage()) { return {0, 0}; }
+    const c10::Storage& s = t.storage();
+    const auto begin = reinterpret_cast<std::uintptr_t>(s.data());
+    return {begin, begin + s.nbytes()};
+}
+
+}  // namespace
+
+at::Tensor disjointFromInputs(const at::Tensor& out, at::TensorList inputs)
+{
+    const auto [ob, oe] = storageBytes(out);
+    if (ob == oe) { return out; }
+    for (const at::Tensor& in : inputs) {
+        const auto [ib, ie] = storageBytes(in);
+        if (ib < ie && ib < oe && ob < ie) { return out.clone(); }
+    }
+    return out;
+}
+
+at::Tensor allgather_param(const at::Tensor& a, int64_t graph_id, int64_t id,
                            std::optional<at::ScalarType> dtype)
 {
     GilReleasedIfHeld no_gil;  // see python_gil.h
-    return get("allgather_param")->allgatherParam(graph_id, id, dtype);
+    return disjointFromInputs(get("allgather_param")->allgatherParam(graph_id, id, dtype), a);
 }
 
 void prefetch_params_fused(int64_t graph_id, at::TensorList params, at::IntArrayRef ids,
@@ -57,28 +84,57 @@ void free_tensors(at::TensorList a)
     get("free_tensors")->freeTensors(a.vec());
 }
 
+// Activation offload. The values travel through the runtime (the host copy, the reloaded
+// buffer); offload_tensor, wait_offload and reload_tensor return a stand-in shaped like the
+// activation, which carries the graph's order from one op to the next. So no output shares memory
+// with an input (DeepSpeed's kernels return the buffer their input already is, which torch's
+// custom-op contract forbids), and what each op returns is what its Meta kernel says.
+at::Tensor standIn(const at::Tensor& like)
+{
+    return at::zeros({}, like.options()).expand(like.sizes());
+}
+
 at::Tensor offload_tensor(const at::Tensor& a, int64_t graph_id, int64_t id)
 {
-    GilReleasedIfHeld no_gil;  // see python_gil.h
-    return get("offload_tensor")->offloadTensor(a, graph_id, id);
+    {
+        GilReleasedIfHeld no_gil;  // see python_gil.h
+        get("offload_tensor")->offloadTensor(a, graph_id, id);
+    }
+    return standIn(a);
 }
 
-at::Tensor reload_tensor(const at::Tensor&, int64_t graph_id, int64_t id)
+at::Tensor reload_tensor(const at::Tensor& a, int64_t graph_id, int64_t id)
 {
-    GilReleasedIfHeld no_gil;  // see python_gil.h
-    return get("reload_tensor")->reloadTensor(graph_id, id);
+    {
+        GilReleasedIfHeld no_gil;  // see python_gil.h
+        get("reload_tensor")->reloadTensor(graph_id, id);
+    }
+    return standIn(a);
 }
 
-at::Tensor wait_offload(const at::Tensor&, int64_t graph_id, int64_t id)
+at::Tensor wait_offload(const at::Tensor& a, int64_t graph_id, int64_t id)
 {
-    GilReleasedIfHeld no_gil;  // see python_gil.h
-    return get("wait_offload")->waitOffload(graph_id, id);
+    {
+        GilReleasedIfHeld no_gil;  // see python_gil.h
+        get("wait_offload")->waitOffload(graph_id, id);
+    }
+    return standIn(a);
 }
 
+// The reloaded activation, contiguous (the host copy is); a fresh copy of `a` while profiling
+// when nothing was reloaded.
 at::Tensor wait_reload(const at::Tensor& a, int64_t graph_id, int64_t id)
 {
-    GilReleasedIfHeld no_gil;  // see python_gil.h
-    return get("wait_reload")->waitReload(a, graph_id, id);
+    at::Tensor out;
+    {
+        GilReleasedIfHeld no_gil;  // see python_gil.h
+        out = get("wait_reload")->waitReload(a, graph_id, id);
+    }
+    if (out.is_same(a)) { return at::empty(a.sizes(), a.options()).copy_(a); }
+    DSZ_CHECK(out.sizes().equals(a.sizes()), "wait_reload", "activation id ", id, " of graph ",
+              graph_id, " was offloaded with shape ", out.sizes(), " but is waited for as ",
+              a.sizes());
+    return out;
 }
 
 void offload_parameter(const at::Tensor&, int64_t graph_id, int64_t id)
@@ -215,7 +271,14 @@ at::Tensor reduce_grad_meta(const at::Tensor& a, int64_t, int64_t id)
     return at::empty({0}, a.options());
 }
 void free_tensors_meta(at::TensorList) {}
-at::Tensor like_meta(const at::Tensor& a, int64_t, int64_t) { return at::empty_like(a); }
+at::Tensor stand_in_meta(const at::Tensor& a, int64_t, int64_t)
+{
+    return at::empty({}, a.options()).expand(a.sizes());
+}
+at::Tensor contiguous_meta(const at::Tensor& a, int64_t, int64_t)
+{
+    return at::empty(a.sizes(), a.options());
+}
 void offload_parameter_meta(const at::Tensor&, int64_t, int64_t id)
 {
     requireParamMeta(id, "offload_parameter (meta)");

@@ -32,6 +32,10 @@ at::Tensor test_call(const at::Tensor& a);
 // Shared by the Meta kernels (also those of group_ops.cpp): throws naming `op` when ds_id is not
 // registered; whether `t` is a meta tensor outside a fake-tensor trace (it holds no values).
 void requireParamMeta(int64_t id, const char* op);
+// `out`, or a copy of it where its memory overlaps the memory of one of `inputs` (torch's
+// custom-op contract: an output aliases no input). A gathered param on one rank is the shard's
+// memory; a param input whose data still lies in ZeRO-3's flat buffer would overlap it.
+at::Tensor disjointFromInputs(const at::Tensor& out, at::TensorList inputs);
 bool plainMeta(const at::Tensor& t);
 
 // Meta kernels, one per line of the op list, each with its device kernel's type (the list names

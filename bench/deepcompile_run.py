@@ -351,11 +351,30 @@ def build_llama(size: Any, checkpointing: str, family: str = "llama") -> Any:
     return model
 
 
-def _llama_batch(size: Any, step: int, seed: int, device: Any) -> List[Any]:
+def _llama_batch(size: Any, step: int, seed: int, device: Any,
+                 lengths: Optional[List[int]] = None) -> Dict[str, Any]:
+    """The llama's keyword inputs for one step: ``input_ids`` and ``labels`` of the size's
+    sequence length; with ``lengths``, a batch padded to ``lengths[step % len(lengths)]`` as
+    ``DataCollatorWithPadding`` pads (each row after the first shorter by a few tokens: pad id 0,
+    ``attention_mask`` 0 and ``labels`` -100 there)."""
+    import dataclasses
+
+    import torch
+
     from ds_z3native.models import synthetic_batch
 
-    ids = synthetic_batch(size, step, 0, seed).to(device)
-    return [ids]
+    if not lengths:
+        ids = synthetic_batch(size, step, 0, seed).to(device)
+        return {"input_ids": ids, "labels": ids}
+    length = lengths[step % len(lengths)]
+    ids = synthetic_batch(dataclasses.replace(size, seq_len=length), step, 0, seed)
+    mask = torch.ones_like(ids)
+    for row in range(1, ids.shape[0]):
+        mask[row, max(1, length - row - step % 3):] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
+            "labels": labels.to(device)}
 
 
 def _on_cpu() -> bool:
@@ -387,8 +406,8 @@ def _evaluate(engine: Any, args: Any, size: Any, dtype: Any, device: Any, step: 
     with torch.no_grad():
         for i in range(2):
             if size is not None:
-                (ids,) = _llama_batch(size, 10**6 + 2 * step + i, args.seed, device)
-                losses.append(float(engine(input_ids=ids, labels=ids).loss.float()))
+                batch = _llama_batch(size, 10**6 + 2 * step + i, args.seed, device, args.lengths)
+                losses.append(float(engine(**batch).loss.float()))
             else:
                 losses.append(float(engine(*_batch(10**6 + 2 * step + i, args.seed, dtype, device))))
     engine.train()
@@ -401,7 +420,7 @@ def _generate(engine: Any, args: Any, size: Any, device: Any, step: int) -> List
     forward); the prompt and the new tokens."""
     import torch
 
-    (ids,) = _llama_batch(size, 2 * 10**6 + step, args.seed, device)
+    ids = _llama_batch(size, 2 * 10**6 + step, args.seed, device)["input_ids"]
     with torch.no_grad():
         out = engine.module.generate(input_ids=ids[:1, :8], max_new_tokens=4, do_sample=False,
                                      pad_token_id=0)
@@ -464,8 +483,10 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     if args.time_scheduler:
         result["scheduler"] = []
         time_scheduler(result["scheduler"])
-    bf16 = args.dtype == "bf16"
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    bf16, fp16 = args.dtype == "bf16", args.dtype == "fp16"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype, torch.float32)
+    if args.sdpa_backend != "default":
+        result["sdpa_backend"] = only_sdpa_backend(args.sdpa_backend)
     deepcompile = args.mode == "deepcompile"
     llama = args.model == "llama"
     stage = 3 if deepcompile else args.eager_stage
@@ -487,11 +508,16 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         "bf16": {"enabled": bf16},
         "steps_per_print": 10**9,
     }
+    if fp16:  # dynamic loss scaling, as users run fp16
+        config["fp16"] = {"enabled": True, "initial_scale_power": 12}
     if deepcompile:
         config["compile"] = {"deepcompile": True}
 
     torch.manual_seed(args.seed)
     model = build_llama(size, args.checkpointing, args.family) if llama else build_model(args.model)
+    if llama and args.attn_implementation:
+        # transformers picks the attention function from the config at every forward.
+        model.config._attn_implementation = args.attn_implementation
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     device = engine.device
@@ -517,8 +543,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
             profiler.__enter__()
         t0 = time.perf_counter()
         if llama:
-            (ids,) = _llama_batch(size, step, args.seed, device)
-            loss = engine(input_ids=ids, labels=ids).loss
+            loss = engine(**_llama_batch(size, step, args.seed, device, args.lengths)).loss
         else:
             x, y = _batch(step, args.seed, dtype, device)
             loss = engine(x, y)
@@ -526,7 +551,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
             # An evaluation forward between a training forward and its backward.
             with torch.no_grad():
                 if llama:
-                    engine(input_ids=_llama_batch(size, step + 10**6, args.seed, device)[0])
+                    engine(input_ids=_llama_batch(size, step + 10**6, args.seed, device,
+                                                  args.lengths)["input_ids"])
                 else:
                     engine(*_batch(step + 10**6, args.seed, dtype, device))
         engine.backward(loss)
@@ -555,6 +581,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     if norm_ab is not None:
         norm_ab.finish(step_times)
     result["graph_breaks"] = int(sum(counters["graph_break"].values()))
+    # Graphs Dynamo compiled (each one a DeepCompile compile and profile), re-plans included.
+    result["dynamo_graphs"] = int(counters["stats"]["unique_graphs"])
     result["graph_break_reasons"] = sorted({k.splitlines()[0] for k in counters["graph_break"]})
     result["graph_break_fixes"] = getattr(engine, "_ds_z3native_graph_break_fixes", None)
     # Inductor's FX-graph cache outcomes: whether a warm cache directory served the graphs.
@@ -800,6 +828,31 @@ def _disable_deepspeed_eager_fallback() -> None:
     z3_eager_fallback.DeepCompileZ3EagerFallback._enable_forward_fallback = lambda self: None
 
 
+def only_sdpa_backend(name: str) -> Dict[str, bool]:
+    """Leaves one of SDPA's CUDA backends enabled (``cudnn``, ``flash``, ``efficient``, ``math``),
+    process-wide, before anything is traced; the flags as set."""
+    import torch
+
+    b = torch.backends.cuda
+    flags = {"cudnn": name == "cudnn", "flash": name == "flash",
+             "efficient": name == "efficient", "math": name == "math"}
+    b.enable_cudnn_sdp(flags["cudnn"])
+    b.enable_flash_sdp(flags["flash"])
+    b.enable_mem_efficient_sdp(flags["efficient"])
+    b.enable_math_sdp(flags["math"])
+    return flags
+
+
+def _lengths_arg(text: str) -> List[int]:
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lengths takes integers separated by commas, got {text!r}")
+    if not lengths or min(lengths) < 2:
+        raise argparse.ArgumentTypeError(f"--lengths: every length must be >= 2, got {text!r}")
+    return lengths
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["deepcompile", "eager"], default="deepcompile")
@@ -849,7 +902,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="with ds_z3native: even steps take the optimizer's gradient norms "
                              "through the zero3-flat-grad-norm patch, odd steps through DeepSpeed's "
                              "per-param loop, each norm call timed (result: grad_norm_ab)")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--lengths", type=_lengths_arg, default=None, metavar="L1,L2,...",
+                        help="llama: step i's batch padded to length L[i %% n] (rows of varying "
+                             "length, attention_mask and labels -100 on the pads); default: the "
+                             "size's fixed sequence length")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="fp16: DeepSpeed's fp16 with dynamic loss scaling")
+    parser.add_argument("--sdpa-backend", default="default",
+                        choices=["default", "cudnn", "flash", "efficient", "math"],
+                        help="CUDA: leave only this SDPA backend enabled (default: torch's choice)")
+    parser.add_argument("--attn-implementation", choices=["sdpa", "eager"], default=None,
+                        help="llama: transformers' attention implementation (default: the "
+                             "model's, sdpa)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)

@@ -117,6 +117,12 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         ("deepspeed.compile.backend", "launch_compile_passes", ("global_steps",)),
         ("deepspeed.compile.backend", "remaining_schedule", None),
         ("deepspeed.compile.backend", "init_schedule", ("schedule",))],
+    "deepcompile-symbolic-input-guards": [
+        ("deepspeed.compile.patch_fake_tensor", "patch_fake_tensor", ()),
+        ("deepspeed.compile.patch_fake_tensor", "_get_guard_sizes_strides", ("t",)),
+        ("deepspeed.compile.init_z3", "patch_fake_tensor", None)],  # imported there
+    "deepcompile-keep-automatic-dynamic": [
+        ("deepspeed.compile.backend", "launch_compile_passes", ("global_steps",))],
     "deepcompile-persistent-group": [
         ("deepspeed.compile.backend", "launch_compile_passes", ("global_steps",)),
         ("deepspeed.compile.backend", "remaining_schedule", None),
@@ -196,6 +202,12 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
     "zero3-flat-grad-norm": [
         ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct",
          ("self", "gradients", "params", "norm_type"))],
+    "inductor-attention-aux-outputs": [
+        ("torch._inductor.ir", "ExternKernel.codegen_alignment_asserts", ("self", "wrapper")),
+        ("torch._inductor.ir", "ExternKernel.codegen_size_asserts", ("self", "wrapper"))],
+    "zero3-overflow-after-reductions": [
+        ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.has_overflow",
+         ("self", "partition_gradients"))],
     "checkpoint-recompute-frozen": _RECOMPUTE,
     "checkpoint-recompute-hardening": _RECOMPUTE,
 }

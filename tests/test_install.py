@@ -265,16 +265,18 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
          "deepcompile-generator-cache-key", "deepcompile-sourceless-symbols",
          "deepcompile-single-cycle-regroup", "deepcompile-grouped-reduce",
          "deepcompile-typed-end-backward", "deepcompile-attention-rng",
+         "inductor-attention-aux-outputs",
          "deepcompile-profile-store", "deepcompile-warm-start",
          "deepcompile-kwargs-dependencies", "deepcompile-resume-schedule",
-         "deepcompile-persistent-group", "deepcompile-aot-partial-constructions",
+         "deepcompile-persistent-group", "deepcompile-symbolic-input-guards",
+         "deepcompile-keep-automatic-dynamic", "deepcompile-aot-partial-constructions",
          "deepcompile-cpu-device", "cuda-memory-counters", "deepcompile-pass-gc",
          "deepcompile-one-rank-profile",
          "gloo-collectives-outside-python-dispatch",
          "zero3-coalesced-gather-waits-on-every-handle", "hf-trainer-zero3-flos",
          "engine-train-unchanged-mode", "engine-zero-grad-param-list",
          "zero3-release-param-list", "deepcompile-z3-fallback-module-list",
-         "zero3-flat-grad-norm"]
+         "zero3-flat-grad-norm", "zero3-overflow-after-reductions"]
     _write_module(tmp_path, "dsz_test_patches_broken", "raise ImportError('half-written module')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "OPTIONAL_MODULES", ("dsz_test_patches_broken",))

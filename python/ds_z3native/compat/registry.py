@@ -24,6 +24,8 @@
   and its compile passes start at a resumed step.
 * ``deepcompile_persistent``: DeepCompile's re-plan chooses the params it keeps gathered first and
   reaches them with one op call per graph.
+* ``deepcompile_dynamic_shapes``: inputs that are not ZeRO-3 params keep Dynamo's symbolic size
+  guards (one graph for every sequence length); the re-plan keeps Dynamo's automatic-dynamic record.
 * ``cpu_accelerator``: DeepCompile on DeepSpeed's CPU accelerator gets a device it can parse.
 * ``cuda_memory_counters``: DeepSpeed's CUDA accelerator reads the allocator's counters in one
   call (DeepCompile's profilers read them several times per graph node).
@@ -70,10 +72,12 @@ PATCH_MODULES = (
     "ds_z3native.compat.deepcompile_regroup",
     "ds_z3native.compat.deepcompile_reduce_group",
     "ds_z3native.compat.deepcompile_inductor_calls",
+    "ds_z3native.compat.inductor_attention_outputs",
     "ds_z3native.compat.deepcompile_profile_store",
     "ds_z3native.compat.deepcompile_warm_start",
     "ds_z3native.compat.deepcompile_schedule",
     "ds_z3native.compat.deepcompile_persistent",
+    "ds_z3native.compat.deepcompile_dynamic_shapes",
     "ds_z3native.compat.deepcompile_aot",
     "ds_z3native.compat.cpu_accelerator",
     "ds_z3native.compat.cuda_memory_counters",
@@ -82,6 +86,7 @@ PATCH_MODULES = (
     "ds_z3native.compat.hf_trainer_loop",
     "ds_z3native.compat.zero3_walks",
     "ds_z3native.compat.zero3_grad_norm",
+    "ds_z3native.compat.zero3_overflow_order",
 )
 OPTIONAL_MODULES = ("ds_z3native.compat.checkpoint_recompute",)
 

@@ -10,8 +10,12 @@ the environment (``DS_Z3NATIVE=1``) and DeepCompile from the DeepSpeed config
 
 Without ``--model`` it builds a small Llama from a config with random weights and trains it on
 synthetic token sequences (nothing is downloaded); with ``--model NAME_OR_PATH`` it loads that
-model (and its tokenizer for TRL). ``--results FILE`` writes the logged losses, the evaluation
-losses and where the adapter was saved, as JSON (rank 0).
+model (and its tokenizer). ``--data text`` trains on the instruction/response pairs of
+``examples/data/instructions.jsonl`` instead (its last 10% is the evaluation split), tokenized by
+a byte-level BPE tokenizer trained on its training rows at start-up (or ``--model``'s tokenizer);
+rows have their own lengths and each batch is padded to its longest row. ``--results FILE``
+writes the logged losses, the evaluation losses, where the adapter was saved and how many
+distinct batch lengths training saw, as JSON (rank 0).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any, Dict, List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -30,6 +35,13 @@ SIZES = {
     "1b": (2048, 5632, 16, 32, 8, 32000),
 }
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# --data text: instruction/response pairs, one JSON object a line; the last EVAL_FRACTION of the
+# rows is the evaluation split. A row is PROMPT_TEMPLATE.format(prompt=...) + response + eos.
+TEXT_DATA = Path(__file__).resolve().parent / "data" / "instructions.jsonl"
+EVAL_FRACTION = 0.1
+PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
+PAD, EOS = "<pad>", "</s>"
+SEQ_LEN = {"counting": 32, "text": 128}
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -43,7 +55,23 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--output-dir", default="out/sft_lora")
     p.add_argument("--max-steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=2, help="per device")
-    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--data", choices=("counting", "text"), default="counting",
+                   help="counting: synthetic token sequences (default); text: the instruction "
+                        "pairs of examples/data/instructions.jsonl, last 10%% for evaluation")
+    p.add_argument("--data-file", default=str(TEXT_DATA),
+                   help="text: a jsonl of {\"prompt\": ..., \"response\": ...} lines "
+                        "(default: examples/data/instructions.jsonl)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="counting: the rows' length; text: rows are truncated at it "
+                        "(default: 32 counting, 128 text)")
+    p.add_argument("--variable-length", action="store_true",
+                   help="counting: each row's length drawn from [seq-len/4, seq-len], batches "
+                        "padded to their longest row (text rows always have their own lengths)")
+    p.add_argument("--completion-only-loss", action="store_true",
+                   help="text: loss on the response tokens only (labels -100 on the prompt)")
+    p.add_argument("--packing", action="store_true",
+                   help="TRL with text: SFTConfig(packing=True) (packs rows into --seq-len "
+                        "sequences, padding-free)")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 turns clipping off")
@@ -60,17 +88,73 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results", help="write losses and the adapter's path here (JSON, rank 0)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.seq_len is None:
+        args.seq_len = SEQ_LEN[args.data]
+    if args.variable_length and args.data != "counting":
+        p.error("--variable-length is for --data counting (text rows have their own lengths)")
+    if args.completion_only_loss and args.data != "text":
+        p.error("--completion-only-loss needs --data text (counting rows have no prompt)")
+    if args.packing and (args.trainer != "trl" or args.data != "text"):
+        p.error("--packing needs --trainer trl --data text")
+    return args
 
 
-def synthetic_dataset(n: int, seq_len: int, vocab: int, seed: int) -> List[Dict[str, List[int]]]:
+def synthetic_dataset(n: int, seq_len: int, vocab: int, seed: int,
+                      variable_length: bool = False) -> List[Dict[str, List[int]]]:
     """Counting sequences (t[i+1] = t[i] + stride mod vocab) from random starts: rows of
-    ``input_ids`` (any sized sequence of dicts serves HF Trainer; TRL takes a datasets.Dataset)."""
+    ``input_ids`` (any sized sequence of dicts serves HF Trainer; TRL takes a datasets.Dataset).
+    ``variable_length``: each row cut to a length drawn from [seq_len // 4, seq_len] (the same
+    rows' first tokens as without it)."""
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, vocab, (n,), generator=g)
     strides = torch.randint(1, 7, (n,), generator=g)
     ids = (starts[:, None] + strides[:, None] * torch.arange(seq_len)[None, :]) % vocab
-    return [{"input_ids": row} for row in ids.tolist()]
+    rows = ids.tolist()
+    if variable_length:
+        lengths = torch.randint(max(1, seq_len // 4), seq_len + 1, (n,), generator=g).tolist()
+        rows = [row[:length] for row, length in zip(rows, lengths)]
+    return [{"input_ids": row} for row in rows]
+
+
+def instruction_rows(path: Path = TEXT_DATA) -> Tuple[List[Dict[str, str]], List[Dict[str, str]]]:
+    """(train, eval) rows of ``prompt`` (the template applied) and ``completion`` (the response)
+    from the jsonl; the evaluation split is its last EVAL_FRACTION, fixed."""
+    with open(path) as f:
+        pairs = [json.loads(line) for line in f if line.strip()]
+    rows = [{"prompt": PROMPT_TEMPLATE.format(prompt=r["prompt"]), "completion": r["response"]}
+            for r in pairs]
+    n_eval = max(1, int(len(rows) * EVAL_FRACTION))
+    return rows[:-n_eval], rows[-n_eval:]
+
+
+def text_tokenizer(rows: List[Dict[str, str]], vocab: int) -> Any:
+    """A byte-level BPE tokenizer of at most ``vocab`` tokens trained on ``rows`` (deterministic:
+    every rank and every run builds the same one, in well under a second), pad ``<pad>`` (id 0)
+    and eos ``</s>`` (id 1)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[PAD, EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([r["prompt"] + r["completion"] for r in rows], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS)
+
+
+def tokenized_rows(rows: List[Dict[str, str]], tokenizer: Any,
+                   seq_len: int) -> List[Dict[str, Any]]:
+    """HF Trainer's text rows: ``input_ids`` = prompt + response + eos, truncated at ``seq_len``,
+    and ``prompt_len`` (the tokens --completion-only-loss leaves out of the loss)."""
+    out = []
+    for r in rows:
+        prompt = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+        answer = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
+        ids = (prompt + answer + [tokenizer.eos_token_id])[:seq_len]
+        out.append({"input_ids": ids, "prompt_len": min(len(prompt), seq_len)})
+    return out
 
 
 def word_tokenizer(vocab: int) -> Any:
@@ -152,8 +236,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.trainer == "trl":
         from trl import SFTConfig, SFTTrainer
 
-        targs = SFTConfig(**common, max_length=args.seq_len, packing=False,
-                          dataset_kwargs={"skip_prepare_dataset": True})
+        if args.data == "text":  # SFTTrainer tokenizes, truncates (and packs) the text rows
+            targs = SFTConfig(**common, max_length=args.seq_len, packing=args.packing,
+                              completion_only_loss=args.completion_only_loss)
+        else:
+            targs = SFTConfig(**common, max_length=args.seq_len, packing=False,
+                              dataset_kwargs={"skip_prepare_dataset": True})
     else:
         from transformers import TrainingArguments
 
@@ -161,15 +249,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     model = build_model(args)
     if args.model:
         vocab = model.config.vocab_size
-    train = synthetic_dataset(64, args.seq_len, vocab, args.seed)
-    evals = synthetic_dataset(8, args.seq_len, vocab, args.seed + 1)
+    tokenizer = None
+    if args.data == "text":
+        train, evals = instruction_rows(Path(args.data_file))
+        tokenizer = _model_tokenizer(args.model) if args.model else text_tokenizer(train, vocab)
+    else:
+        train = synthetic_dataset(64, args.seq_len, vocab, args.seed, args.variable_length)
+        evals = synthetic_dataset(8, args.seq_len, vocab, args.seed + 1, args.variable_length)
     recorder = LossRecorder()
     if args.trainer == "trl":
-        from transformers import AutoTokenizer
-
         from datasets import Dataset
 
-        tokenizer = AutoTokenizer.from_pretrained(args.model) if args.model else word_tokenizer(vocab)
+        if tokenizer is None:
+            tokenizer = _model_tokenizer(args.model) if args.model else word_tokenizer(vocab)
         trainer = SFTTrainer(model=model, args=targs, train_dataset=Dataset.from_list(train),
                              eval_dataset=Dataset.from_list(evals) if args.eval_steps else None,
                              processing_class=tokenizer, peft_config=lora,
@@ -178,10 +270,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         from transformers import Trainer
 
         model = get_peft_model(model, lora)
-        collate = _causal_lm_collator()
+        if args.data == "text":
+            train = tokenized_rows(train, tokenizer, args.seq_len)
+            evals = tokenized_rows(evals, tokenizer, args.seq_len)
+            collate = padding_collator(tokenizer.pad_token_id, args.completion_only_loss)
+        elif args.variable_length:
+            collate = padding_collator(0)
+        else:
+            collate = _causal_lm_collator()
         trainer = Trainer(model=model, args=targs, train_dataset=train,
                           eval_dataset=evals if args.eval_steps else None, data_collator=collate,
                           callbacks=[recorder.callback()])
+    lengths = _count_batch_lengths(trainer)
     trainer.train(resume_from_checkpoint=args.resume)
     adapter_dir = os.path.join(args.output_dir, "adapter")
     trainer.save_model(adapter_dir)
@@ -190,7 +290,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump({"train_loss": recorder.train, "eval_loss": recorder.eval,
                        "global_step": trainer.state.global_step, "adapter": adapter_dir,
                        "total_flos": trainer.state.total_flos,
-                       "trainer": args.trainer}, f)
+                       "trainer": args.trainer, "data": args.data,
+                       "variable_length": args.variable_length or args.data == "text",
+                       "distinct_lengths": len(lengths)}, f)
     if not torch.cuda.is_available() and torch.distributed.is_initialized():
         _leave_cpu_ranks()
     return 0
@@ -225,6 +327,52 @@ def _leave_cpu_ranks() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _model_tokenizer(name: str) -> Any:
+    """--model's tokenizer, with a pad token (its eos where it has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _count_batch_lengths(trainer: Any) -> set:
+    """The padded lengths of the batches this rank trains on (``input_ids.shape[-1]`` at each
+    ``training_step``; evaluation batches, which go through the same collator, are not counted)."""
+    seen: set = set()
+    step = trainer.training_step
+
+    def training_step(model: Any, inputs: Dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        seen.add(int(inputs["input_ids"].shape[-1]))
+        return step(model, inputs, *args, **kwargs)
+
+    trainer.training_step = training_step
+    return seen
+
+
+def padding_collator(pad_id: int, completion_only_loss: bool = False) -> Any:
+    """Batches of rows of their own lengths, right-padded to the longest row of the batch with
+    ``pad_id``: ``attention_mask`` 0 and ``labels`` -100 on the pads (and, with
+    ``completion_only_loss``, on each row's first ``prompt_len`` tokens)."""
+
+    def collate(rows: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+        longest = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[i, :n] = torch.tensor(r["input_ids"])
+            mask[i, :n] = 1
+            labels[i, :n] = ids[i, :n]
+            if completion_only_loss:
+                labels[i, :r.get("prompt_len", 0)] = -100
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return collate
 
 
 def _causal_lm_collator() -> Any:

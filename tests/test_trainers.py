@@ -7,12 +7,16 @@ seeds and data): the losses the trainer logged, the evaluation losses and the Lo
 saved. DeepCompile (``ds_z3_deepcompile.json`` + ``--torch-compile``: accelerate calls
 ``engine.compile()``) runs on DeepSpeed's CPU accelerator from DeepSpeed 0.19.3; older releases'
 DeepCompile needs CUDA and is covered by tests/gpu/test_trainers_gpu.py.
+
+``--data text`` runs train on the instruction pairs kept in ``examples/data/instructions.jsonl``
+(rows of their own lengths, each batch right-padded to its longest row, an evaluation split),
+under HF Trainer and TRL, with and without TRL's packing, against ZeRO-0 too.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -37,6 +41,9 @@ upstream_fixed = _ds_version() >= Version("0.19.3")
 DC = ["--deepspeed", str(DS_Z3_DEEPCOMPILE), "--torch-compile"]
 COMMON = ["--max-steps", "8", "--eval-steps", "4", "--grad-accum", "2", "--max-grad-norm", "0.5"]
 TRL = ["--trainer", "trl", "--max-steps", "4", "--eval-steps", "4"]
+# Instruction data: 6 steps of 2 accumulated micro-batches, evaluation (35 rows) every 3.
+TEXT = ["--data", "text", "--max-steps", "6", "--eval-steps", "3", "--grad-accum", "2"]
+TRL_TEXT = ["--trainer", "trl", "--data", "text", "--max-steps", "4", "--eval-steps", "4"]
 # The runs docs/usage.md shows, as (launcher, arguments); the resumed one's checkpoint is that of
 # the run before it, under the script's default output directory.
 SHOWN = {
@@ -44,6 +51,10 @@ SHOWN = {
     "hf-dc": ("torchrun", [*DC, *COMMON, "--save-steps", "2"]),
     "hf-dc-resume": ("torchrun", [*DC, *COMMON, "--resume", "out/sft_lora/checkpoint-6"]),
     "trl-z3": ("torchrun", [*TRL, "--deepspeed", str(DS_Z3)]),
+    "hf-text-z3": ("torchrun", ["--deepspeed", str(DS_Z3), *TEXT]),
+    "trl-text-z3": ("torchrun", [*TRL_TEXT, "--deepspeed", str(DS_Z3)]),
+    "trl-text-packed-z3": ("torchrun", [*TRL_TEXT, "--packing", "--deepspeed", str(DS_Z3)]),
+    "hf-text-dc": ("torchrun", [*DC, *TEXT]),
 }
 
 
@@ -105,6 +116,92 @@ def test_trl_sft_trainer_zero3_matches_zero0(out: Path) -> None:
     ours = run_example(out, "trl-z3", SHOWN["trl-z3"][1])
     assert ours["trainer"] == "trl"
     assert_same_training(ours, ref, steps=[1, 2, 3, 4])
+
+
+def test_text_data_rows_split_and_padding() -> None:
+    # What the --data text runs below train on, checked in-process: a fixed evaluation split, a
+    # tokenizer every rank builds alike, rows of their own lengths, pads out of the loss.
+    sft = load_example()
+    train, evals = sft.instruction_rows()
+    assert 300 <= len(train) + len(evals) <= 400 and len(evals) == (len(train) + len(evals)) // 10
+    assert sft.TEXT_DATA.stat().st_size < 150_000
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals}
+    tok = sft.text_tokenizer(train, sft.SIZES["tiny"][5])
+    again = sft.text_tokenizer(train, sft.SIZES["tiny"][5])
+    assert tok.backend_tokenizer.to_str() == again.backend_tokenizer.to_str()
+    assert len(tok) <= 512 and (tok.pad_token_id, tok.eos_token_id) == (0, 1)
+    args = sft.parse_args(["--data", "text"])
+    rows = sft.tokenized_rows(train, tok, args.seq_len)
+    lengths = {len(r["input_ids"]) for r in rows}
+    assert len(lengths) > 20 and max(lengths) == args.seq_len == 128
+    assert all(r["input_ids"][-1] == tok.eos_token_id for r in rows if len(r["input_ids"]) < 128)
+    batch = rows[:4]
+    for completion_only in (False, True):
+        out = sft.padding_collator(tok.pad_token_id, completion_only)(batch)
+        n = max(len(r["input_ids"]) for r in batch)
+        assert all(out[k].shape == (4, n) for k in ("input_ids", "attention_mask", "labels"))
+        for i, r in enumerate(batch):
+            k, p = len(r["input_ids"]), r["prompt_len"]
+            assert out["input_ids"][i, :k].tolist() == r["input_ids"]
+            assert out["attention_mask"][i].tolist() == [1] * k + [0] * (n - k)
+            want = [-100] * p + r["input_ids"][p:] if completion_only else r["input_ids"]
+            assert out["labels"][i].tolist() == want + [-100] * (n - k)
+    # --data counting --variable-length: the fixed-length rows, cut to [seq_len // 4, seq_len].
+    fixed = sft.synthetic_dataset(64, 32, 512, 0)
+    cut = sft.synthetic_dataset(64, 32, 512, 0, variable_length=True)
+    assert all(c["input_ids"] == f["input_ids"][:len(c["input_ids"])] for c, f in zip(cut, fixed))
+    assert {len(c["input_ids"]) for c in cut} <= set(range(8, 33))
+    assert len({len(c["input_ids"]) for c in cut}) > 10
+
+
+def _assert_text_run(ours: Dict[str, Any], ref: Dict[str, Any], steps: List[int]) -> None:
+    assert ours["data"] == ref["data"] == "text"
+    # Batches of several padded lengths, the same in both runs (same seeds, same data order).
+    assert ours["distinct_lengths"] == ref["distinct_lengths"] > 1
+    assert_same_training(ours, ref, steps=steps)
+
+
+@pytest.fixture(scope="module")
+def text_reference(out: Path) -> Dict[str, Any]:
+    return run_example(out, "hf-text-z0", ["--deepspeed", str(zero0_config(out)), *TEXT],
+                       ds_z3native=None)
+
+
+def test_hf_trainer_zero3_on_padded_text_matches_zero0(out: Path,
+                                                      text_reference: Dict[str, Any]) -> None:
+    # Variable-length rows right-padded per batch (attention_mask 0, labels -100 on the pads),
+    # gradient accumulation over batches of different token counts, evaluation at steps 3 and 6.
+    ours = run_example(out, "hf-text-z3", SHOWN["hf-text-z3"][1])
+    _assert_text_run(ours, text_reference, steps=list(range(1, 7)))
+
+
+@needs_cpu_deepcompile
+def test_hf_trainer_deepcompile_on_padded_text_matches_zero0(
+        out: Path, text_reference: Dict[str, Any]) -> None:
+    # The SFT run users make: HF Trainer + DeepCompile on rows of their own lengths (a dozen padded
+    # batch lengths), evaluation between the steps, accumulation. Each new length used to compile
+    # again until Dynamo's recompile limit sent the forward to eager, where it failed on the
+    # partitioned embedding ('weight' must be 2-D) at the first evaluation.
+    ours = run_example(out, "hf-text-dc", SHOWN["hf-text-dc"][1])
+    _assert_text_run(ours, text_reference, steps=list(range(1, 7)))
+    log = _log(out, "hf-text-dc")
+    assert "recompile_limit" not in log
+    assert "Launching compile passes: global_steps=5" in log
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_trl_sft_trainer_zero3_on_text_matches_zero0(out: Path, packing: bool) -> None:
+    # SFTTrainer tokenizes the prompt/completion rows itself; packed, its batches are one
+    # padding-free row of several sequences (position_ids restart at each).
+    # TRL (1.16) switches to reentrant checkpointing under PEFT + ZeRO-3 (it logs a warning), so
+    # the ZeRO-3 run checkpoints reentrantly while the ZeRO-0 one does not.
+    name = "trl-text-packed" if packing else "trl-text"
+    args = [*TRL_TEXT, "--packing"] if packing else TRL_TEXT
+    ref = run_example(out, f"{name}-z0", [*args, "--deepspeed", str(zero0_config(out))],
+                      ds_z3native=None)
+    ours = run_example(out, f"{name}-z3", SHOWN[f"{name}-z3"][1])
+    assert ours["trainer"] == "trl"
+    _assert_text_run(ours, ref, steps=[1, 2, 3, 4])
 
 
 @needs_cpu_deepcompile

@@ -225,6 +225,7 @@ PY
      tests/test_native_opcheck.py tests/test_native_schemas.py tests/test_native_refusals.py \
      tests/test_native_hardening.py tests/test_native_lifetime.py tests/test_native_functions.py \
      tests/test_native_gloo.py tests/test_native_campaign.py tests/test_install.py tests/test_demo.py \
+     tests/test_gathered_buffers.py tests/test_inductor_attention_outputs.py \
      "tests/test_deepcompile_cpu.py::test_frozen_layer_run_eagerly_is_gathered_and_trains_like_eager")
   echo "   (newest torch: $(( $(date +%s) - t2 )) s)"
 fi

@@ -29,9 +29,10 @@ HISTORY = re.compile(r"\bissue\s*#?\d+|(?<![\w&#/])#\d+\b|\bsessions?\b|\bstop\s
                      r"\bthe\s+(?:GPU|CPU|CUDA|test|build|remote)\s+(?:host|box|machine|node)\b",
                      re.I)
 # Technical terms with one of those words, taken out before the check: torch's compile session
-# (torch.compiler's flag and context) and a POSIX session (a process group leader's).
-TERMS = re.compile(r"\bcompile[-_ ]sessions?\b|_compile_session_context|\bsession of its own\b",
-                   re.I)
+# (torch.compiler's flag and context), a POSIX session (a process group leader's) and pytest's
+# Session object (a fixture's request.session).
+TERMS = re.compile(r"\bcompile[-_ ]sessions?\b|_compile_session_context|\bsession of its own\b|"
+                   r"\brequest\.session\b", re.I)
 # Code files the check reads (git ls-files patterns), and extension-less scripts with a shebang.
 CODE_PATTERNS = ("*.py", "*.sh", "*.toml")
 # The file that holds the pattern and the examples it must catch.
@@ -172,7 +173,8 @@ def test_the_history_check_catches_what_it_should() -> None:
                  "#include <vector>", "${#need[@]}", "a, b = x[0], y  # 0-based", "&#20;",
                  "torch raises it for a whole compile session", "torch's compile-session flag",
                  'getattr(torch.compiler, "_compile_session_context", None)',
-                 "torchrun starts each rank in a session of its own"):
+                 "torchrun starts each rank in a session of its own",
+                 "for item in request.session.items"):
         assert not _history(text), text
     results = {"note": "on GPU-28b808b3", "runs": {"x": {"gpu_conditions": {
         "device": "GPU-28b808b3-99dd"}}}, "replaced_notes": ["fine"]}

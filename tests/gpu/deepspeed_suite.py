@@ -75,7 +75,7 @@ def run_arm(tests: Path, select: List[str], keyword: Optional[str], ours: bool,
         env.pop("DS_Z3NATIVE", None)
         if ours:
             env["DS_Z3NATIVE"] = "1"
-        cmd = [sys.executable, "-m", "pytest", "-p", "dsz_world_size", "-q", "-rA",
+        cmd = [sys.executable, "-m", "pytest", "-p", "dsz_world_size", "-q", "-rA", "--color=no",
                f"--junitxml={junit}", *select]
         if keyword:
             cmd += ["-k", keyword]
@@ -87,7 +87,7 @@ def run_arm(tests: Path, select: List[str], keyword: Optional[str], ours: bool,
                                             stderr=subprocess.STDOUT, timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 returncode = "timeout"
-        text = log.read_text(errors="replace")
+        text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace"))
         tail = text[-4000:]
         # The junit file exists once pytest ends; an arm stopped at its time limit has the
         # verbose lines it printed.

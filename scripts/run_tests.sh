@@ -22,6 +22,7 @@ cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 jobs=$(nproc 2>/dev/null || echo 2)
 t0=$(date +%s)
+summary=()  # one line per phase, printed at the end
 
 # pytest workers (pytest-xdist, one test file per worker at a time: a file's fixtures are shared
 # by its tests): one per core, at most 4; DSZ_PYTEST_WORKERS=1 runs the suites in one process.
@@ -106,7 +107,8 @@ build=${DSZ_CMAKE_BUILD:-build/cmake}
 prefix=$(python -c "import torch; print(torch.utils.cmake_prefix_path)")
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$build" -j "$jobs"
-ctest --test-dir "$build" --output-on-failure -j "$jobs"
+ctest --test-dir "$build" --output-on-failure --no-tests=error -j "$jobs" | tee .cache/phase-native.log
+summary+=("native (ctest): $(grep -E 'tests passed|tests failed' .cache/phase-native.log | tail -1)")
 echo "   ($(( $(date +%s) - t0 )) s so far)"
 
 if ! wait "$fetching_tf"; then
@@ -115,17 +117,21 @@ if ! wait "$fetching_tf"; then
 fi
 DSZ_TRANSFORMERS_OLD_DIR=$(cd "$tf_old" && pwd)
 export DSZ_TRANSFORMERS_OLD_DIR
-echo "== pytest (DeepSpeed $(python -c 'import deepspeed; print(deepspeed.__version__)' 2>/dev/null | tail -1))"
+installed=$(python -c 'import deepspeed; print(deepspeed.__version__.split("+")[0])' 2>/dev/null | tail -1)
+echo "== pytest (DeepSpeed $installed)"
 build_deepspeed_ops python
-python -m pytest tests -q -m "not gpu" -p no:cacheprovider "${par[@]}"
+DSZ_EXPECT_DEEPSPEED=$installed python -m pytest tests -q -m "not gpu" -p no:cacheprovider \
+  "${par[@]}" | tee .cache/phase-main.log
+summary+=("pytest -m 'not gpu' (DeepSpeed $installed): $(tail -1 .cache/phase-main.log)")
 echo "   ($(( $(date +%s) - t0 )) s so far)"
 
 ds_old=${DSZ_DEEPSPEED_OLD_DIR:-.cache/ds-0.19.2}
 fetch_deepspeed 0.19.2 "$ds_old"
 echo "== pytest -m deepspeed (DeepSpeed 0.19.2 from $ds_old)"
 with_deepspeed "$ds_old" build_deepspeed_ops python
-with_deepspeed "$ds_old" python -m pytest tests -q -m "deepspeed and not gpu" -p no:cacheprovider \
-  "${par[@]}"
+DSZ_EXPECT_DEEPSPEED=0.19.2 with_deepspeed "$ds_old" python -m pytest tests -q \
+  -m "deepspeed and not gpu" -p no:cacheprovider "${par[@]}" | tee .cache/phase-0.19.2.log
+summary+=("pytest -m 'deepspeed and not gpu' (DeepSpeed 0.19.2): $(tail -1 .cache/phase-0.19.2.log)")
 echo "   ($(( $(date +%s) - t0 )) s so far)"
 
 if [ "${DSZ_MATRIX:-on}" != off ]; then
@@ -152,8 +158,8 @@ if [ "${DSZ_MATRIX:-on}" != off ]; then
   done
   lane() {  # version, selection: that release's pytest run, into .cache/matrix-<version>.log/.rc
     local rc=0
-    with_deepspeed ".cache/ds-$1" python -m pytest tests -q -m "$2" -p no:cacheprovider \
-      >".cache/matrix-$1.log" 2>&1 || rc=$?
+    DSZ_EXPECT_DEEPSPEED=$1 with_deepspeed ".cache/ds-$1" python -m pytest tests -q -m "$2" \
+      -p no:cacheprovider >".cache/matrix-$1.log" 2>&1 || rc=$?
     echo "$rc" >".cache/matrix-$1.rc"
   }
   lanes=$(( workers > 1 ? workers : 1 ))
@@ -178,6 +184,7 @@ if [ "${DSZ_MATRIX:-on}" != off ]; then
   for v in "${releases[@]}"; do
     if [ "$(cat ".cache/matrix-$v.rc" 2>/dev/null)" = 0 ]; then
       echo "   DeepSpeed $v: $(tail -1 ".cache/matrix-$v.log")"
+      summary+=("release matrix, DeepSpeed $v$([[ "$full" == *" $v "* || "$full" = " all " ]] && echo ' (slow tests too)' || echo ' (fast tests)'): $(tail -1 ".cache/matrix-$v.log")")
     else
       cat ".cache/matrix-$v.log"
       failed+=("$v")
@@ -188,6 +195,8 @@ if [ "${DSZ_MATRIX:-on}" != off ]; then
     exit 1
   fi
   echo "   (release matrix: $(( $(date +%s) - t1 )) s)"
+else
+  summary+=("release matrix: turned off (DSZ_MATRIX=off)")
 fi
 
 # The newest torch pip installs here (DSZ_NEWEST_TORCH: a pip requirement, default "torch", i.e.
@@ -221,12 +230,19 @@ assert info["torch_matches_build"] and "site-packages" in ds_z3native.__file__, 
 PY
   )
   (cd "$venv/src" && build_deepspeed_ops "$venv/bin/python")
+  newest=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
   (cd "$venv/src" && "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not gpu" "${par[@]}" \
      tests/test_native_opcheck.py tests/test_native_schemas.py tests/test_native_refusals.py \
      tests/test_native_hardening.py tests/test_native_lifetime.py tests/test_native_functions.py \
      tests/test_native_gloo.py tests/test_native_campaign.py tests/test_install.py tests/test_demo.py \
      tests/test_gathered_buffers.py tests/test_inductor_attention_outputs.py \
-     "tests/test_deepcompile_cpu.py::test_frozen_layer_run_eagerly_is_gathered_and_trains_like_eager")
+     "tests/test_deepcompile_cpu.py::test_frozen_layer_run_eagerly_is_gathered_and_trains_like_eager") \
+     | tee .cache/phase-newest-torch.log
+  summary+=("newest torch ($newest), the native, install, demo and frozen-layer DeepCompile tests: $(tail -1 .cache/phase-newest-torch.log)")
   echo "   (newest torch: $(( $(date +%s) - t2 )) s)"
+else
+  summary+=("newest torch: turned off (DSZ_NEWEST_TORCH=off)")
 fi
-echo "== all suites passed in $(( $(date +%s) - t0 )) s"
+echo "== summary (each phase's selection; a phase turned off is named)"
+for line in "${summary[@]}"; do echo "   $line"; done
+echo "== all suites that ran passed in $(( $(date +%s) - t0 )) s"

@@ -7,6 +7,19 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_configure(config):
+    # A lane of scripts/run_tests.sh that means one DeepSpeed release says which
+    # (DSZ_EXPECT_DEEPSPEED): a path that put another one first would test the wrong release.
+    expected = os.environ.get("DSZ_EXPECT_DEEPSPEED")
+    if expected:
+        import deepspeed
+
+        got = deepspeed.__version__.split("+")[0]
+        if got != expected:
+            raise pytest.UsageError(f"DSZ_EXPECT_DEEPSPEED={expected}, but DeepSpeed {got} was "
+                                    f"imported (from {deepspeed.__file__})")
+
+
 def pytest_collection_modifyitems(config, items):
     # Modules with the most slow tests first (stable otherwise): under pytest-xdist's loadfile
     # distribution (scripts/run_tests.sh) the longest files start first and the workers end

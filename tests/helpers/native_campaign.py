@@ -290,7 +290,12 @@ class _Campaign:
         if which == "test_call":
             ok, out = self._do("test_call", ["tensor"], lambda: self.dc.test_call(t))
         else:
-            ok, out = self._do("offload_tensor", [gid, 5], lambda: self.dc.offload_tensor(t, gid, 5))
+            # offload_tensor returns a stand-in; the values come back through the reload.
+            def round_trip() -> torch.Tensor:
+                standin = self.dc.wait_offload(self.dc.offload_tensor(t, gid, 5), gid, 5)
+                return self.dc.wait_reload(self.dc.reload_tensor(standin, gid, 5), gid, 5)
+
+            ok, out = self._do("offload_tensor", [gid, 5], round_trip)
         if ok and not torch.equal(out, t):
             self._mismatch(f"{which} returned other values")
 

@@ -83,19 +83,23 @@ def patch_symbolic_input_guards() -> Undo:
 
 def _keeping_automatic_dynamic(launch: Callable) -> Callable:
     def launch_compile_passes(*args: Any, **kwargs: Any) -> Any:
-        from torch._dynamo import pgo
-
-        kept = pgo._CODE_STATE
+        try:
+            from torch._dynamo import pgo
+        except ImportError:  # a torch without the record: nothing to keep
+            return launch(*args, **kwargs)
+        kept = getattr(pgo, "_CODE_STATE", None)
         try:
             return launch(*args, **kwargs)
         finally:
-            if kept is not None and pgo._CODE_STATE is None:  # reset() ran: the record comes back
-                pgo._CODE_STATE = kept
+            if kept is not None and getattr(pgo, "_CODE_STATE", kept) is None:
+                pgo._CODE_STATE = kept  # reset() ran: the record comes back
 
     return launch_compile_passes
 
 
 def patch_keep_automatic_dynamic() -> Undo:
+    """DeepCompile's re-plan (``launch_compile_passes``) keeps Dynamo's record of which input
+    dimensions were seen to change across the ``torch._dynamo.reset()`` it runs."""
     return wrap_launch_compile_passes(_keeping_automatic_dynamic)
 
 

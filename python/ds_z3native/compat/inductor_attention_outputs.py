@@ -58,8 +58,10 @@ def may_be_undefined(node: Any) -> bool:
 def _skipping_aux_outputs(check: Callable) -> Callable:
     def codegen_check(self: Any, wrapper: Any) -> None:
         if may_be_undefined(self):
-            wrapper.writeline(f"# {self.get_name()}: an attention kernel's auxiliary output, "
-                              "which the kernel may leave undefined (not checked)")
+            # A comment in the wrapper's own language (inductor's C++ wrapper comments with //).
+            comment = getattr(wrapper, "comment", "#")
+            wrapper.writeline(f"{comment} {self.get_name()}: an attention kernel's auxiliary "
+                              "output, which the kernel may leave undefined (not checked)")
             return
         check(self, wrapper)
 

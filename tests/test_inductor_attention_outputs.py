@@ -29,7 +29,8 @@ def attention_and_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def _checked_buffers(code: str) -> set:
-    return set(re.findall(r"assert_(?:size_stride|alignment)\((buf\d+),", code))
+    # assert_size_stride, or assert_tensor_metadata from torch 2.14 on; assert_alignment.
+    return set(re.findall(r"assert_(?:size_stride|tensor_metadata|alignment)\((buf\d+),", code))
 
 
 @pytest.fixture

@@ -269,8 +269,11 @@ setup(
     extras_require={
         # scipy: DeepCompile's prefetch pass interpolates its all-gather profile with it.
         # accelerate and trl: the trainer tests drive HF Trainer and TRL's SFTTrainer.
+        # bitsandbytes: the QLoRA tests (its wheels: Linux x86_64, Python 3.10+).
         "test": ["pytest>=7", "pytest-xdist>=3", "expecttest", "deepspeed>=0.19.0,<0.20", "scipy>=1.7",
-                 "accelerate>=1.0", "trl>=0.20"],
+                 "accelerate>=1.0", "trl>=0.20",
+                 "bitsandbytes>=0.50.2; platform_system == 'Linux' and platform_machine == 'x86_64'"
+                 " and python_version >= '3.10'"],
         "demo": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12", "tqdm>=4.60",
                  "scipy>=1.7"],
         "bench": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12",

@@ -13,9 +13,14 @@ synthetic token sequences (nothing is downloaded); with ``--model NAME_OR_PATH``
 model (and its tokenizer). ``--data text`` trains on the instruction/response pairs of
 ``examples/data/instructions.jsonl`` instead (its last 10% is the evaluation split), tokenized by
 a byte-level BPE tokenizer trained on its training rows at start-up (or ``--model``'s tokenizer);
-rows have their own lengths and each batch is padded to its longest row. ``--results FILE``
-writes the logged losses, the evaluation losses, where the adapter was saved and how many
-distinct batch lengths training saw, as JSON (rank 0).
+rows have their own lengths and each batch is padded to its longest row. ``--qlora`` loads the
+base model in 4 bits (bitsandbytes nf4 with double quantization) with its quantized weights stored
+in the compute dtype (``bnb_4bit_quant_storage``), which ZeRO-3 partitions as it does any float
+param; the model built from a config is saved to a temporary directory first and loaded from there
+quantized. ``--results FILE``
+writes the logged losses, the evaluation losses, where the adapter was saved (and the adapter as
+initialised, before the first step), how many distinct batch lengths training saw and whether
+ds_z3native was installed in the process, as JSON (rank 0).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -76,6 +82,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 turns clipping off")
     p.add_argument("--lora-rank", type=int, default=4)
+    p.add_argument("--qlora", action="store_true",
+                   help="QLoRA: the base model loaded in 4 bits through bitsandbytes (nf4, double "
+                        "quantization, quant storage = compute dtype: bf16 with --bf16, else fp32)")
+    p.add_argument("--quant-storage", choices=("compute", "uint8"), default="compute",
+                   help="--qlora: store the 4-bit weights in the compute dtype (default; what "
+                        "ZeRO-3 partitions as a float param) or in uint8 (bitsandbytes' default)")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing",
                    action="store_false", help="(default: non-reentrant checkpointing on)")
     p.add_argument("--torch-compile", action="store_true",
@@ -97,6 +109,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--completion-only-loss needs --data text (counting rows have no prompt)")
     if args.packing and (args.trainer != "trl" or args.data != "text"):
         p.error("--packing needs --trainer trl --data text")
+    if args.quant_storage != "compute" and not args.qlora:
+        p.error("--quant-storage is for --qlora")
     return args
 
 
@@ -174,6 +188,8 @@ def build_model(args: argparse.Namespace) -> Any:
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if args.model:
+        if args.qlora:
+            return quantized_model(args.model, args)
         # Under ZeRO-3 transformers loads the weights straight into partitions (zero.Init).
         return AutoModelForCausalLM.from_pretrained(args.model)
     hidden, inter, layers, heads, kv, vocab = SIZES[args.size]
@@ -184,7 +200,39 @@ def build_model(args: argparse.Namespace) -> Any:
     # (AutoModelForCausalLM.from_config would draw them inside zero.Init's partitioning);
     # deepspeed.initialize partitions them.
     torch.manual_seed(args.seed)
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    if not args.qlora:
+        return model
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    # bitsandbytes quantizes weights as from_pretrained loads them: load the drawn ones quantized,
+    # each rank from its own copy (save_pretrained writes on rank 0 only).
+    with tempfile.TemporaryDirectory(prefix="sft_lora_base_") as base:
+        model.config.save_pretrained(base)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                  os.path.join(base, "model.safetensors"), metadata={"format": "pt"})
+        del model
+        return quantized_model(base, args)
+
+
+def quantized_model(name: str, args: argparse.Namespace) -> Any:
+    """``name`` loaded with its linear layers in 4 bits (bitsandbytes nf4, double quantization),
+    computing in bf16 with --bf16 (else fp32), the packed weights stored in that dtype (or in
+    uint8 with ``--quant-storage uint8``), on this rank's device. The model is not cast to fp32
+    for k-bit training (PEFT's prepare_model_for_kbit_training): ZeRO-3 wants one float dtype,
+    and the trainer turns checkpointing on itself."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    compute = torch.bfloat16 if args.bf16 else torch.float32
+    storage = compute if args.quant_storage == "compute" else torch.uint8
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute,
+                               bnb_4bit_quant_storage=storage)
+    # No device_map (ZeRO-3 refuses one): transformers puts the model on this rank's current
+    # device, which the training arguments set.
+    return AutoModelForCausalLM.from_pretrained(name, quantization_config=quant, dtype=compute)
 
 
 class LossRecorder:
@@ -282,6 +330,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                           eval_dataset=evals if args.eval_steps else None, data_collator=collate,
                           callbacks=[recorder.callback()])
     lengths = _count_batch_lengths(trainer)
+    initial_dir = os.path.join(args.output_dir, "adapter-initial")
+    _save_initial_adapter(trainer, initial_dir)
     trainer.train(resume_from_checkpoint=args.resume)
     adapter_dir = os.path.join(args.output_dir, "adapter")
     trainer.save_model(adapter_dir)
@@ -289,8 +339,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(args.results, "w") as f:
             json.dump({"train_loss": recorder.train, "eval_loss": recorder.eval,
                        "global_step": trainer.state.global_step, "adapter": adapter_dir,
+                       "initial_adapter": initial_dir, "bf16": args.bf16, "lr": args.lr,
+                       "ds_z3native_installed": _ds_z3native_installed(),
                        "total_flos": trainer.state.total_flos,
-                       "trainer": args.trainer, "data": args.data,
+                       "trainer": args.trainer, "data": args.data, "qlora": args.qlora,
                        "variable_length": args.variable_length or args.data == "text",
                        "distinct_lengths": len(lengths)}, f)
     if not torch.cuda.is_available() and torch.distributed.is_initialized():
@@ -327,6 +379,29 @@ def _leave_cpu_ranks() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _save_initial_adapter(trainer: Any, path: str) -> None:
+    """The adapter as initialised (rank 0 writes it, in save_model's format): what training moved
+    it from. Params already partitioned (a --model loaded under ZeRO-3) are gathered first, on
+    every rank."""
+    import contextlib
+
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    gather: Any = contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(params)
+    with gather:
+        if trainer.is_world_process_zero():
+            trainer.model.save_pretrained(path)
+
+
+def _ds_z3native_installed() -> bool:
+    """Whether ds_z3native's patches were in effect in this process (DS_Z3NATIVE=1)."""
+    module = sys.modules.get("ds_z3native")
+    return bool(module is not None and module.installed())
 
 
 def _model_tokenizer(name: str) -> Any:

@@ -123,6 +123,10 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
         ("deepspeed.compile.init_z3", "patch_fake_tensor", None)],  # imported there
     "deepcompile-keep-automatic-dynamic": [
         ("deepspeed.compile.backend", "launch_compile_passes", ("global_steps",))],
+    # Reads is_deepcompile_active() and module after the original returns.
+    "deepcompile-ranks-compile-together": [
+        (_ENGINE, "DeepSpeedEngine.compile", ("self",)),
+        (_ENGINE, "DeepSpeedEngine.is_deepcompile_active", ("self",))],
     "deepcompile-persistent-group": [
         ("deepspeed.compile.backend", "launch_compile_passes", ("global_steps",)),
         ("deepspeed.compile.backend", "remaining_schedule", None),

@@ -111,13 +111,34 @@ def test_without_fix_shows_what_deepspeed_does() -> None:
                          re.M), _show(r)
 
 
-def test_deepcompile_on_cpu_is_refused() -> None:
-    """DeepSpeed's DeepCompile runs only on CUDA: refused before any rank starts, exit 2."""
+def test_deepcompile_on_cpu_runs_where_deepspeed_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed runs DeepCompile on its CPU accelerator from 0.19.4: there ``--deepcompile``
+    resolves to CPU ranks; on an older release it is refused with what to install."""
+    from ds_z3native import demo
+
+    opts = demo.DemoOptions(deepcompile=True, device="cpu")
+    monkeypatch.setattr(demo, "_deepspeed_version", lambda: Version("0.19.4"))
+    assert demo._resolve(opts) == (False, 2)
+    monkeypatch.setattr(demo, "_deepspeed_version", lambda: Version("0.19.3"))
+    with pytest.raises(demo.DemoRefused, match=r"needs DeepSpeed >= 0\.19\.4 \(DeepSpeed 0\.19\.3"):
+        demo._resolve(opts)
+
+
+def test_deepcompile_on_cpu_is_refused_on_old_deepspeed() -> None:
+    """On the installed DeepSpeed, if it predates DeepCompile on the CPU: refused before any rank
+    starts, exit 2."""
+    if _ds_version() >= Version("0.19.4"):
+        from ds_z3native import demo
+
+        # The CPU path runs here; its refusal is the other test's. This DeepSpeed's version is
+        # read as the demo reads it.
+        assert demo._deepspeed_version() == Version(_ds_version().base_version)
+        return
     start = time.monotonic()
     r = _run([sys.executable, "-m", "ds_z3native", "demo", "--deepcompile", "--device", "cpu"],
              timeout=120)
     assert r.returncode == 2, _show(r)
-    assert "--deepcompile needs CUDA GPUs" in r.stderr, _show(r)
+    assert "--deepcompile on the CPU needs DeepSpeed >= 0.19.4" in r.stderr, _show(r)
     assert "starting" not in r.stderr and r.stdout == "", _show(r)
     assert time.monotonic() - start < 120
 

@@ -269,7 +269,8 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
          "deepcompile-profile-store", "deepcompile-warm-start",
          "deepcompile-kwargs-dependencies", "deepcompile-resume-schedule",
          "deepcompile-persistent-group", "deepcompile-symbolic-input-guards",
-         "deepcompile-keep-automatic-dynamic", "deepcompile-aot-partial-constructions",
+         "deepcompile-keep-automatic-dynamic", "deepcompile-ranks-compile-together",
+         "deepcompile-aot-partial-constructions",
          "deepcompile-cpu-device", "cuda-memory-counters", "deepcompile-pass-gc",
          "deepcompile-one-rank-profile",
          "gloo-collectives-outside-python-dispatch",
@@ -318,3 +319,36 @@ def test_refuses_when_another_library_registered_the_dc_ops() -> None:
     assert "already registered by another library" in out
     assert "deepspeed.ops.dc_op" in out and "Restart the process" in out
     assert "STATE False True True False" in out
+
+
+def test_install_says_on_rank_0_that_it_is_active(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up line names the version, the build and the patch count, on rank 0 only, and
+    reaches stderr where the application configured no logging."""
+    import logging
+
+    from ds_z3native import installer
+
+    report = installer.InstallReport("0.19.8", "supported", (), ("a", "b", "c"))
+    logger = logging.getLogger(installer.STARTUP_LOGGER)
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setattr(logger, "level", logger.level)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    records: List[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    monkeypatch.setenv("RANK", "1")
+    installer._announce(report, "cuda")
+    assert logger.handlers == []
+    monkeypatch.setenv("RANK", "0")
+    installer._announce(report, "cuda")
+    assert len(logger.handlers) == 1 and not logger.propagate
+    logger.addHandler(Keep())
+    installer._announce(report, "cpu")
+    assert [r.getMessage() for r in records] == [
+        f"ds_z3native {ds_z3native.__version__} active in DeepSpeed 0.19.8: its CPU build of the dc "
+        "op and 3 patches (`ds-z3native doctor` checks this environment; docs/patches.md lists "
+        "the patches)"]

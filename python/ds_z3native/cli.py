@@ -135,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--model-size", choices=list(MODEL_SIZES), default=DEFAULT_SIZE,
                    help=f"model preset (default {DEFAULT_SIZE}): {sizes}")
     p.add_argument("--deepcompile", action="store_true",
-                   help="DeepSpeed DeepCompile (engine.compile()); needs CUDA GPUs")
+                   help="DeepSpeed DeepCompile (engine.compile()): GPUs, or CPU ranks from DeepSpeed 0.19.4")
     p.add_argument("--without-fix", action="store_true",
                    help="do not call ds_z3native.install(): show what DeepSpeed alone does")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",

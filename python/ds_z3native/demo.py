@@ -26,6 +26,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, TextIO
 
+from packaging.version import InvalidVersion, Version
+
 from .launch import RankError, RanksFailed, run_ranks, send
 from .models import DEFAULT_SIZE, MODEL_SIZES, ModelSize
 
@@ -40,6 +42,8 @@ EXIT_REFUSED = 2  # the run could not start here (options, missing packages)
 
 # DeepSpeed releases with their own fix for the eager recompute failure.
 _UPSTREAM_RECOMPUTE_FIX = "0.19.3"
+# DeepSpeed runs DeepCompile on its CPU accelerator from this release on.
+_DEEPCOMPILE_ON_CPU = Version("0.19.4")
 _RECOMPUTE_SHAPE0 = re.compile(r"recomputed metadata:.*'shape': torch\.Size\(\[0\]\)", re.S)
 
 
@@ -272,11 +276,13 @@ def _resolve(opts: DemoOptions) -> tuple:
                           f"(torch {torch.__version__}, torch.version.cuda={torch.version.cuda})")
     cuda = has_cuda and opts.device != "cpu"
     if opts.deepcompile and not cuda:
-        raise DemoRefused("--deepcompile needs CUDA GPUs: DeepSpeed's DeepCompile runs only on the "
-                          "CUDA accelerator (deepspeed.compile.util.is_deepcompile_supported). On "
-                          "CPU run the eager demo (without --deepcompile); `ds-z3native selftest` "
-                          "drives ds_z3native's dc op itself on CPU ranks.")
-    if opts.deepcompile and not opts.without_fix:
+        ds_version = _deepspeed_version()
+        if ds_version is not None and ds_version < _DEEPCOMPILE_ON_CPU:
+            raise DemoRefused(f"--deepcompile on the CPU needs DeepSpeed >= {_DEEPCOMPILE_ON_CPU} "
+                              f"(DeepSpeed {ds_version} runs DeepCompile only on the CUDA "
+                              "accelerator): `pip install 'deepspeed>=0.19.4,<0.20'`, or run the "
+                              "eager demo (without --deepcompile).")
+    if opts.deepcompile and cuda and not opts.without_fix:
         from . import build_info
 
         if build_info()["flavour"] != "cuda":
@@ -426,9 +432,17 @@ def run_demo(opts: DemoOptions, stream: Optional[TextIO] = None) -> DemoResult:
     return result
 
 
-def _has_upstream_fix(version: str) -> bool:
-    from packaging.version import InvalidVersion, Version
+def _deepspeed_version() -> Optional[Version]:
+    """The installed DeepSpeed's release (without a local part), or None where unreadable."""
+    try:
+        from importlib.metadata import version
 
+        return Version(Version(version("deepspeed").split("+")[0]).base_version)
+    except Exception:  # noqa: BLE001 - not installed or unparsable: the run says so later
+        return None
+
+
+def _has_upstream_fix(version: str) -> bool:
     try:
         return Version(Version(version.split("+")[0]).base_version) >= Version(
             _UPSTREAM_RECOMPUTE_FIX)

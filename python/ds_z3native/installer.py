@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from types import ModuleType
@@ -35,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from packaging.version import Version
 
 from ._native import DcNamespaceTaken, load
+from ._version import __version__
 from .compat import Undo, deepspeed_version
 from .compat import Patch
 from .compat.fingerprints import UNVERIFIED_ENV, TargetCheck, allowed_unverified, check_patches
@@ -225,10 +227,42 @@ def install() -> InstallReport:
                                tuple(s.name for s in sites), tuple(p.name for p in patches),
                                tuple(f"{c.patch}: {c.target}" for c in unverified))
         _state = _State(report, undos)
+        flavour = module.build_info()["flavour"]
         log.info("ds_z3native installed into DeepSpeed %s (%s build): loader sites %s; patches %s",
-                 version, module.build_info()["flavour"], ", ".join(report.loader_sites),
+                 version, flavour, ", ".join(report.loader_sites),
                  ", ".join(report.patches) or "none")
+        _announce(report, flavour)
         return report
+
+
+# The start-up line's logger. A library's loggers print nothing until the application configures
+# logging; this one line is meant to be seen in a training log, so where nothing is configured
+# (no handler on it or on the root logger) it gets a stderr handler of its own, as DeepSpeed's
+# logger has. `logging.getLogger("ds_z3native.startup").setLevel(logging.WARNING)` silences it.
+STARTUP_LOGGER = "ds_z3native.startup"
+
+
+def _startup_logger() -> logging.Logger:
+    logger = logging.getLogger(STARTUP_LOGGER)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
+def _announce(report: InstallReport, flavour: str) -> None:
+    """One line on rank 0 of the launch (or in a process started without a rank) saying that
+    ds_z3native is active, what it applied and where to read more."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    _startup_logger().info(
+        "ds_z3native %s active in DeepSpeed %s: its %s build of the dc op and %d patches "
+        "(`ds-z3native doctor` checks this environment; docs/patches.md lists the patches)",
+        __version__, report.deepspeed_version, "CPU" if flavour == "cpu" else "CUDA",
+        len(report.patches))
 
 
 def verify_patches(patches: Sequence[Patch], version: Version) -> List[TargetCheck]:

@@ -13,7 +13,12 @@ trainable param groups only.
 * :data:`DECLARE_FROZEN` (every release): after init_z3 has registered the params, each frozen one
   is declared frozen to the native layer with ``set_param_frozen(ds_id, True)``, so frozenness
   is a recorded fact and not only inferred from an empty buffer (unpatched, 0.19.0 – 0.19.5
-  register a param frozen after ``deepspeed.initialize`` with its optimizer slot).
+  register a param frozen after ``deepspeed.initialize`` with its optimizer slot). Before
+  init_z3 runs, a param that is not floating point is refused with :class:`NonFloatParam`,
+  naming it and what to change: the native layer registers params as floating-point shards, and
+  init_z3 would stop at the first such param with only its ds_id, the params before it
+  registered. QLoRA's 4-bit weights are such params where bitsandbytes stores them packed in
+  uint8 (``bnb_4bit_quant_storage``'s default); stored in the compute dtype they train.
 * :data:`UNFROZEN_GUARD` (every release): a param frozen at ``engine.compile()`` and made
   trainable later has no gradient buffer, and DeepCompile's compiled graphs keep computing no
   gradient for it: dynamo does not recompile when a parameter's requires_grad changes, so the
@@ -43,7 +48,7 @@ from ._rebind import when_module_imported, wrap_function
 __all__ = ["FROZEN_GRAD_BUFFER", "DECLARE_FROZEN", "UNFROZEN_GUARD", "PATCHES", "init_z3_owners",
            "wrap_init_z3",
            "patch_frozen_grad_buffer", "patch_declare_frozen", "patch_unfrozen_guard",
-           "UnfrozenAfterCompile"]
+           "UnfrozenAfterCompile", "NonFloatParam", "refuse_non_float_params"]
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +120,46 @@ def patch_frozen_grad_buffer() -> Undo:
     return wrap_init_z3(_with_frozen_grad_buffers)
 
 
+class NonFloatParam(RuntimeError):
+    """engine.compile() with DeepCompile met a param that is not floating point (a 4-bit QLoRA
+    weight stored as uint8); nothing was registered."""
+
+
+def _compute_dtype(param: Any, module: Any) -> str:
+    """The dtype to store ``param`` in: a bitsandbytes 4-bit weight's own (its quant state's
+    dtype, what it dequantizes to), else the model's first floating-point param's."""
+    dtype = getattr(getattr(param, "quant_state", None), "dtype", None)
+    if dtype is None or not getattr(dtype, "is_floating_point", False):
+        dtype = next((p.dtype for p in module.parameters() if p.dtype.is_floating_point), None)
+    return str(dtype) if dtype is not None else "torch.bfloat16"
+
+
+def refuse_non_float_params(engine: Any) -> None:
+    """Raises :class:`NonFloatParam` naming the params of ``engine.module`` that are not floating
+    point (DeepCompile registers each ZeRO-3 param as a floating-point shard), with what to
+    change; nothing when every param is floating point."""
+    bad = [(name, p) for name, p in engine.module.named_parameters()
+           if not p.dtype.is_floating_point]
+    if not bad:
+        return
+    first = bad[0][1]
+    shown = ", ".join(f"{n} (ds_id {getattr(p, 'ds_id', '?')}, {type(p).__name__} of dtype "
+                      f"{p.dtype})" for n, p in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    dtype = _compute_dtype(first, engine.module)
+    raise NonFloatParam(
+        f"ds_z3native: engine.compile() with DeepCompile: {len(bad)} param(s) are not floating "
+        f"point: {shown}{more}. DeepCompile's ZeRO-3 registers every param as a floating-point "
+        f"shard; nothing was registered. For 4-bit bitsandbytes weights (QLoRA), which are "
+        f"stored packed in uint8 by default, load the model with "
+        f"BitsAndBytesConfig(..., bnb_4bit_quant_storage={dtype}) (the compute dtype): the "
+        f"packed weights are then {dtype} params. Otherwise make such tensors buffers, or "
+        f"train without DeepCompile.")
+
+
 def _declaring_frozen(init_z3: Callable) -> Callable:
     def init_z3_declaring_frozen(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        refuse_non_float_params(engine)
         result = init_z3(engine, *args, **kwargs)
         from deepspeed.compile import util
 
@@ -214,7 +257,9 @@ FROZEN_GRAD_BUFFER = Patch(
 DECLARE_FROZEN = Patch(
     name="deepcompile-z3-declare-frozen",
     summary="after init_z3, every requires_grad=False param is declared frozen to the native "
-            "layer (set_param_frozen), not only inferred from an empty buffer",
+            "layer (set_param_frozen), not only inferred from an empty buffer; before it, a "
+            "param that is not floating point (QLoRA's 4-bit weights stored as uint8) is "
+            "refused with NonFloatParam, naming bnb_4bit_quant_storage",
     apply=patch_declare_frozen,
     first=Version("0.19.0"),
     last=None,

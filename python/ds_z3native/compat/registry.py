@@ -26,6 +26,8 @@
   reaches them with one op call per graph.
 * ``deepcompile_dynamic_shapes``: inputs that are not ZeRO-3 params keep Dynamo's symbolic size
   guards (one graph for every sequence length); the re-plan keeps Dynamo's automatic-dynamic record.
+* ``deepcompile_rank_sync``: DeepCompile on several ranks recompiles on every rank where any
+  rank's guards fail, and the ranks agree on the dynamic input dimensions.
 * ``cpu_accelerator``: DeepCompile on DeepSpeed's CPU accelerator gets a device it can parse.
 * ``cuda_memory_counters``: DeepSpeed's CUDA accelerator reads the allocator's counters in one
   call (DeepCompile's profilers read them several times per graph node).
@@ -78,6 +80,7 @@ PATCH_MODULES = (
     "ds_z3native.compat.deepcompile_schedule",
     "ds_z3native.compat.deepcompile_persistent",
     "ds_z3native.compat.deepcompile_dynamic_shapes",
+    "ds_z3native.compat.deepcompile_rank_sync",
     "ds_z3native.compat.deepcompile_aot",
     "ds_z3native.compat.cpu_accelerator",
     "ds_z3native.compat.cuda_memory_counters",

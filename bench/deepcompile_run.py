@@ -25,12 +25,15 @@ orders are the same (the result's ``scheduler``).
 optimizer's gradient norms through it, odd steps through DeepSpeed's own per-param loop, each norm
 call timed with the device synchronized around it (the result's ``grad_norm_ab``).
 ``--mode eager`` trains the same model without compile, with ZeRO stage ``--eager-stage``
-(default 0: the reference). One process, one device; sets the launcher environment (RANK=0,
-WORLD_SIZE=1, MASTER_ADDR, a free MASTER_PORT) unless already set. Without CUDA (or with
+(default 0: the reference). Under a launcher each rank trains on batches of its own
+(``--same-batch-on-every-rank``: rank 0's on every rank). One process, one device; sets the
+launcher environment (RANK=0, WORLD_SIZE=1, MASTER_ADDR, a free MASTER_PORT) unless already set.
+Without CUDA (or with
 ``DS_ACCELERATOR=cpu``) it runs on the CPU over gloo: DeepCompile itself runs there with
 ds_z3native's CPU build (DeepSpeed >= 0.19.3; its profiler falls back to default estimates).
-The result holds the losses, the trainable params after training, the Dynamo graph-break count
-and, with ds_z3native, what its DeepCompile patches did (hooks removed, eager-fallback gathers).
+The result holds the losses, the trainable params after training (and before: ``initial_params``;
+every param of the small models), the Dynamo graph-break count, whether ds_z3native was installed
+and, with it, what its DeepCompile patches did (hooks removed, eager-fallback gathers).
 """
 
 from __future__ import annotations
@@ -351,11 +354,18 @@ def build_llama(size: Any, checkpointing: str, family: str = "llama") -> Any:
     return model
 
 
+def data_rank(same_batch_on_every_rank: bool = False) -> int:
+    """The rank whose batches this process trains on: its own (``RANK``), so that a reduction
+    that skipped its collective shows in the result; 0 with ``same_batch_on_every_rank`` (every
+    rank the batches of one process)."""
+    return 0 if same_batch_on_every_rank else int(os.environ.get("RANK", "0"))
+
+
 def _llama_batch(size: Any, step: int, seed: int, device: Any,
-                 lengths: Optional[List[int]] = None) -> Dict[str, Any]:
-    """The llama's keyword inputs for one step: ``input_ids`` and ``labels`` of the size's
-    sequence length; with ``lengths``, a batch padded to ``lengths[step % len(lengths)]`` as
-    ``DataCollatorWithPadding`` pads (each row after the first shorter by a few tokens: pad id 0,
+                 lengths: Optional[List[int]] = None, rank: int = 0) -> Dict[str, Any]:
+    """The llama's keyword inputs for one step of rank ``rank``: ``input_ids`` and ``labels`` of
+    the size's sequence length; with ``lengths``, a batch padded to ``lengths[step % len(lengths)]``
+    as ``DataCollatorWithPadding`` pads (each row after the first shorter by a few tokens: pad id 0,
     ``attention_mask`` 0 and ``labels`` -100 there)."""
     import dataclasses
 
@@ -364,10 +374,10 @@ def _llama_batch(size: Any, step: int, seed: int, device: Any,
     from ds_z3native.models import synthetic_batch
 
     if not lengths:
-        ids = synthetic_batch(size, step, 0, seed).to(device)
+        ids = synthetic_batch(size, step, rank, seed).to(device)
         return {"input_ids": ids, "labels": ids}
     length = lengths[step % len(lengths)]
-    ids = synthetic_batch(dataclasses.replace(size, seq_len=length), step, 0, seed)
+    ids = synthetic_batch(dataclasses.replace(size, seq_len=length), step, rank, seed)
     mask = torch.ones_like(ids)
     for row in range(1, ids.shape[0]):
         mask[row, max(1, length - row - step % 3):] = 0
@@ -401,15 +411,18 @@ def _evaluate(engine: Any, args: Any, size: Any, dtype: Any, device: Any, step: 
     ``size`` is the llama's ``ModelSize``, None for the other models."""
     import torch
 
+    rank = data_rank(args.same_batch_on_every_rank)
     engine.eval()
     losses = []
     with torch.no_grad():
         for i in range(2):
             if size is not None:
-                batch = _llama_batch(size, 10**6 + 2 * step + i, args.seed, device, args.lengths)
+                batch = _llama_batch(size, 10**6 + 2 * step + i, args.seed, device, args.lengths,
+                                     rank)
                 losses.append(float(engine(**batch).loss.float()))
             else:
-                losses.append(float(engine(*_batch(10**6 + 2 * step + i, args.seed, dtype, device))))
+                losses.append(float(engine(*_batch(10**6 + 2 * step + i, args.seed, dtype, device,
+                                                   rank))))
     engine.train()
     return sum(losses) / len(losses)
 
@@ -420,20 +433,48 @@ def _generate(engine: Any, args: Any, size: Any, device: Any, step: int) -> List
     forward); the prompt and the new tokens."""
     import torch
 
-    ids = _llama_batch(size, 2 * 10**6 + step, args.seed, device)["input_ids"]
+    ids = _llama_batch(size, 2 * 10**6 + step, args.seed, device,
+                       rank=data_rank(args.same_batch_on_every_rank))["input_ids"]
     with torch.no_grad():
         out = engine.module.generate(input_ids=ids[:1, :8], max_new_tokens=4, do_sample=False,
                                      pad_token_id=0)
     return out.tolist()
 
 
-def _batch(step: int, seed: int, dtype: Any, device: Any) -> List[Any]:
+def _batch(step: int, seed: int, dtype: Any, device: Any, rank: int = 0) -> List[Any]:
+    """Inputs and targets of the small models for one step of rank ``rank``."""
     import torch
 
-    g = torch.Generator().manual_seed(seed * 1000 + step)
+    g = torch.Generator().manual_seed(seed * 1000 + step + 1_000_003 * rank)
     x = torch.randn(BATCH, WIDTH, generator=g)
     y = torch.randn(BATCH, 16, generator=g)
     return [x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)]
+
+
+def gathered_at_end(engine: Any) -> Optional[Dict[str, Any]]:
+    """What the native runtime holds gathered after training: the params whose full copy is
+    still there (kept persistent), their padded bytes (world size x shard; on one rank a copy may
+    be the shard's own memory), and its record of the persistence budget
+    (``persistence_info``). None without a live runtime."""
+    import ds_z3native
+    import torch.distributed as dist
+
+    m = ds_z3native.native()
+    if not m.is_initialized():
+        return None
+    ws = dist.get_world_size() if dist.is_initialized() else 1
+    params, nbytes = 0, 0
+    for p in engine.module.parameters():
+        if not hasattr(p, "ds_id"):
+            continue
+        try:
+            state = m.param_state(p.ds_id)
+        except RuntimeError:  # a param DeepCompile never registered (outside its graphs)
+            continue
+        if state["gathered"]:
+            params += 1
+            nbytes += state["shard_numel"] * ws * p.ds_tensor.element_size()
+    return {"params": params, "bytes": nbytes, "persistence": dict(m.persistence_info())}
 
 
 def _trainable_params(engine: Any, gathered: bool) -> Dict[str, List[float]]:
@@ -518,6 +559,10 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     if llama and args.attn_implementation:
         # transformers picks the attention function from the config at every forward.
         model.config._attn_implementation = args.attn_implementation
+    # What training moves the params from (the same set as ``params`` below), before
+    # deepspeed.initialize partitions them.
+    result["initial_params"] = {n: p.detach().float().cpu().flatten().tolist()
+                                for n, p in model.named_parameters() if p.requires_grad or not llama}
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     device = engine.device
@@ -530,6 +575,7 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         # whose pass schedule keeps DeepSpeed's pass.
         _persist_all_when_chosen_early()
     step_times: List[float] = []
+    rank = data_rank(args.same_batch_on_every_rank)
     norm_ab = _GradNormAB(result, cpu) if args.ab_grad_norm else None
     for step in range(args.steps):
         if norm_ab is not None:
@@ -543,18 +589,18 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
             profiler.__enter__()
         t0 = time.perf_counter()
         if llama:
-            loss = engine(**_llama_batch(size, step, args.seed, device, args.lengths)).loss
+            loss = engine(**_llama_batch(size, step, args.seed, device, args.lengths, rank)).loss
         else:
-            x, y = _batch(step, args.seed, dtype, device)
+            x, y = _batch(step, args.seed, dtype, device, rank)
             loss = engine(x, y)
         if args.eval_between:
             # An evaluation forward between a training forward and its backward.
             with torch.no_grad():
                 if llama:
                     engine(input_ids=_llama_batch(size, step + 10**6, args.seed, device,
-                                                  args.lengths)["input_ids"])
+                                                  args.lengths, rank)["input_ids"])
                 else:
-                    engine(*_batch(step + 10**6, args.seed, dtype, device))
+                    engine(*_batch(step + 10**6, args.seed, dtype, device, rank))
         engine.backward(loss)
         engine.step()
         if profiler is not None:
@@ -625,6 +671,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
 
         result["flat_grad_norm"] = flat_norm_counts()
 
+        result["gathered_at_end"] = gathered_at_end(engine) if deepcompile else None
+
         gather = eager_gather_of(engine)
         result["eager_gather"] = None if gather is None else {
             "params": gather.eager_params, "gathered_total": gather.gathered_total,
@@ -638,6 +686,8 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
         with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=gathered):
             result["params"] = {n: p.detach().float().cpu().flatten().tolist() for n, p in params}
     result["requires_grad"] = {n: p.requires_grad for n, p in engine.module.named_parameters()}
+    ours = sys.modules.get("ds_z3native")
+    result["ds_z3native_installed"] = bool(ours is not None and ours.installed())
 
 
 class _GradNormAB:
@@ -914,6 +964,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--attn-implementation", choices=["sdpa", "eager"], default=None,
                         help="llama: transformers' attention implementation (default: the "
                              "model's, sdpa)")
+    parser.add_argument("--same-batch-on-every-rank", action="store_true",
+                        help="under a launcher: every rank trains on rank 0's batches (default: "
+                             "each rank its own, as a data-parallel loader gives them)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -945,7 +998,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             f.write(text)
     else:
         print(text)
-    summary = {k: v for k, v in result.items() if k not in ("params", "traceback")}
+    summary = {k: v for k, v in result.items() if k not in ("params", "initial_params", "traceback")}
     print("RESULT " + json.dumps(summary), file=sys.stderr)
     return 0
 

@@ -46,6 +46,29 @@ whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
   step time is the time between the ends of consecutive optimizer steps (what the loop costs:
   data loading, the step, clipping's norm query, logging), against ``dc-ckpt`` of the same run.
 
+Variable lengths: ``dc-ckpt-varlen`` and ``dc-ckpt-single-varlen`` are ``dc-ckpt`` and
+``dc-ckpt-single`` on batches whose length changes from step to step, which DeepCompile serves
+through Dynamo's dynamic shapes (``deepcompile-symbolic-input-guards``,
+``deepcompile-keep-automatic-dynamic``). ``--lengths uniform:LO:HI[:STEP]`` (default
+``uniform:128:2048``) draws each step's length uniformly from LO, LO+STEP, ... up to HI, from a
+fixed seed and the same on every rank (ranks whose lengths differ at one step would compile
+different graphs). Each of the micro-batch's rows is that long: every position a real token, no
+attention mask, so a step's tokens are micro-batch x length and the only change against the fixed
+run is the length. ``--pad-rows`` instead pads as a collator does: the first row is the step's
+length, each other row a real length drawn from half of it up to all of it, right-padded (pad
+id 0, ``attention_mask`` 0, labels -100 there); tokens are then still counted as padded positions
+(``step_real_tokens`` keeps the real ones). The baseline is the base variant at the lengths'
+mean (``--seq 1088`` for 128-2048): the same tokens per step on average. A record keeps each
+step's length and tokens (``step_lengths``, ``step_tokens``), the time per token over the timed
+steps (``us_per_token``: their summed time over their summed tokens; ``us_per_token_steady``
+without the timed steps in which something compiled), Dynamo's graph count after each step
+(``dynamo_graphs_by_step``; ``compile_steps``: the steps that compiled) and DeepCompile's own
+compiles (``deepcompile_compiles``: forward and backward graphs its passes ran on); ``merge``
+gives a varlen run ``vs["fixed"]``: its time per token over the base variant's of the same
+invocation. ``python -m bench lora_llama --variants dc-ckpt-single,dc-ckpt-single-varlen`` runs
+the pair (the fixed run 40 steps at the mean length, the varlen run 100) into
+``lora_llama_varlen.json``; a varlen variant is not run without its base variant.
+
 DeepCompile variants run ``--dc-steps`` steps (default 20) and report the time from
 ``engine.compile()`` to the end of the first step, the step where DeepCompile re-plans (its 6th:
 profiling and a full recompile), the wall time to the last step, and step statistics over the
@@ -104,10 +127,12 @@ the ops ranked by self device time (self CPU time on a CPU), ``DIR/<variant>-ran
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import platform
+import random
 import resource
 import statistics
 import sys
@@ -136,30 +161,39 @@ log = logging.getLogger("bench.lora_llama")
 VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-warm", "dc-ckpt",
             "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream", "trainer-dc-ckpt",
             "dc-ckpt-upstream", "dc-ckpt-ungrouped", "dc-ckpt-single",
-            "dc-ckpt-single-reduce-each")
+            "dc-ckpt-single-reduce-each", "dc-ckpt-varlen", "dc-ckpt-single-varlen")
+# Variants on batches of varying length (``--lengths``), each with the variant it repeats at a
+# fixed length: merge gives it the ratio of its time per token to that one's.
+VARLEN = {"dc-ckpt-varlen": "dc-ckpt", "dc-ckpt-single-varlen": "dc-ckpt-single"}
+DEFAULT_LENGTHS = "uniform:128:2048"
+LENGTHS_SEED = 0  # one draw of lengths for every rank and run
+# Steps of a varlen invocation of the suite: the varlen run and its fixed-length baseline.
+VARLEN_DC_STEPS, FIXED_DC_STEPS = 100, 40
 CHECKPOINTING = {"plain": "none", "none": "none", "upstream": "non-reentrant",
                  "ours": "non-reentrant", "reentrant": "reentrant", "dc": "none", "dc-warm": "none",
                  "dc-ckpt": "non-reentrant", "dc-ckpt-lowmem": "non-reentrant",
                  "dc-ckpt-lean": "non-reentrant",
                  "dc-upstream": "none", "trainer-dc-ckpt": "non-reentrant",
                  "dc-ckpt-upstream": "non-reentrant", "dc-ckpt-ungrouped": "non-reentrant",
-                 "dc-ckpt-single": "non-reentrant", "dc-ckpt-single-reduce-each": "non-reentrant"}
+                 "dc-ckpt-single": "non-reentrant", "dc-ckpt-single-reduce-each": "non-reentrant",
+                 "dc-ckpt-varlen": "non-reentrant", "dc-ckpt-single-varlen": "non-reentrant"}
 DEEPCOMPILE = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream",
                "trainer-dc-ckpt", "dc-ckpt-upstream", "dc-ckpt-ungrouped", "dc-ckpt-single",
-               "dc-ckpt-single-reduce-each")
+               "dc-ckpt-single-reduce-each", "dc-ckpt-varlen", "dc-ckpt-single-varlen")
 # DeepCompile with DeepSpeed's own op (no ds_z3native).
 UPSTREAM_DC = ("dc-upstream", "dc-ckpt-upstream")
 # Variants a full lora_llama run leaves out: they run when named (``--variants``) or by another
 # benchmark (``compile_scaling``).
 OPT_IN = ("dc-ckpt-upstream", "dc-ckpt-ungrouped", "dc-ckpt-single",
-          "dc-ckpt-single-reduce-each")
+          "dc-ckpt-single-reduce-each", "dc-ckpt-varlen", "dc-ckpt-single-varlen")
 OURS_DC = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "trainer-dc-ckpt",
-           "dc-ckpt-ungrouped", "dc-ckpt-single", "dc-ckpt-single-reduce-each")
+           "dc-ckpt-ungrouped", "dc-ckpt-single", "dc-ckpt-single-reduce-each",
+           "dc-ckpt-varlen", "dc-ckpt-single-varlen")
 # Variants HF Trainer drives (it enables checkpointing itself, from its arguments), each with the
 # variant of our own loop it repeats: merge gives it the ratio of its step time to that one's.
 TRAINER = {"trainer-dc-ckpt": "dc-ckpt"}
 # Variants with ds_z3native.set_single_cycle(True).
-SINGLE_CYCLE = ("dc-ckpt-single", "dc-ckpt-single-reduce-each")
+SINGLE_CYCLE = ("dc-ckpt-single", "dc-ckpt-single-reduce-each", "dc-ckpt-single-varlen")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
 SIZES: Dict[str, Dict[str, int]] = {
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -173,6 +207,58 @@ PERSISTENCE = {"1b": None, "toy": 1000}
 GIB = 2**30
 
 
+@dataclasses.dataclass(frozen=True)
+class LengthSpec:
+    """``uniform:LO:HI[:STEP]``: each step's length drawn uniformly from LO, LO+STEP, ... up to
+    HI (``--lengths``)."""
+
+    lo: int
+    hi: int
+    step: int = 1
+
+    @property
+    def values(self) -> range:
+        return range(self.lo, self.hi + 1, self.step)
+
+    @property
+    def mean(self) -> float:
+        """The mean length of the draw (the fixed-length baseline's, rounded)."""
+        return (self.values[0] + self.values[-1]) / 2
+
+    @property
+    def text(self) -> str:
+        return f"uniform:{self.lo}:{self.hi}" + (f":{self.step}" if self.step != 1 else "")
+
+    def record(self) -> Dict[str, Any]:
+        """What a record's ``setup.lengths`` keeps of the draw."""
+        return {"spec": self.text, "min": self.lo, "max": self.values[-1], "step": self.step,
+                "mean": self.mean, "seed": LENGTHS_SEED}
+
+
+def parse_lengths(text: str) -> LengthSpec:
+    """``uniform:LO:HI[:STEP]`` -> :class:`LengthSpec`; ``argparse.ArgumentTypeError`` naming the
+    value where it is not one (2 <= LO <= HI, STEP >= 1)."""
+    kind, _, rest = text.partition(":")
+    parts = rest.split(":")
+    try:
+        numbers = [int(x) for x in parts]
+    except ValueError:
+        numbers = []
+    if kind != "uniform" or len(numbers) not in (2, 3):
+        raise argparse.ArgumentTypeError(
+            f"--lengths: expected uniform:LO:HI or uniform:LO:HI:STEP, got {text!r}")
+    lo, hi, step = numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else 1
+    if lo < 2 or hi < lo or step < 1:
+        raise argparse.ArgumentTypeError(
+            f"--lengths: needs 2 <= LO <= HI and STEP >= 1, got {text!r}")
+    return LengthSpec(lo, hi, step)
+
+
+def fixed_length(spec: LengthSpec) -> int:
+    """The fixed-length baseline's ``--seq`` for ``spec``: its mean length, rounded."""
+    return int(round(spec.mean))
+
+
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", choices=VARIANTS, required=True)
@@ -184,7 +270,15 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--dc-steps", type=int, default=20,
                    help="steps of a DeepCompile variant (timed after its 6th, the re-plan)")
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=None,
+                   help="tokens per row (default 1024; a varlen variant's is its lengths' mean, "
+                        "rounded)")
+    p.add_argument("--lengths", type=parse_lengths, default=None, metavar="uniform:LO:HI[:STEP]",
+                   help=f"a varlen variant's length per step, drawn uniformly (default "
+                        f"{DEFAULT_LENGTHS})")
+    p.add_argument("--pad-rows", action="store_true",
+                   help="pad the rows as a collator does: each row after the first shorter, "
+                        "right-padded, with attention_mask and labels -100 on the pads")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="default: bf16 on GPU, fp32 on CPU")
@@ -218,6 +312,19 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error(f"--trace profiles steps of our own loop; {args.variant} runs HF Trainer's")
     if args.layers is not None and args.layers < 1:
         p.error(f"--layers must be at least 1, got {args.layers}")
+    if args.variant in VARLEN:
+        if args.seq is not None:
+            p.error(f"--seq: {args.variant} draws its lengths (--lengths); its tokens per row "
+                    f"are their mean, got --seq {args.seq}")
+        args.lengths = args.lengths or parse_lengths(DEFAULT_LENGTHS)
+        args.seq = fixed_length(args.lengths)
+    elif args.lengths is not None:
+        p.error(f"--lengths applies to the varlen variants ({', '.join(VARLEN)}), got "
+                f"--variant {args.variant}")
+    if args.seq is None:
+        args.seq = 1024
+    if args.pad_rows and args.variant in TRAINER:
+        p.error(f"--pad-rows pads our own loop's batches; {args.variant} runs HF Trainer's")
     return args
 
 
@@ -486,6 +593,26 @@ def compile_counters() -> Dict[str, Dict[str, int]]:
     return out
 
 
+def dynamo_graphs() -> Optional[int]:
+    """Graphs Dynamo compiled since the process started (``counters["stats"]["unique_graphs"]``;
+    under DeepCompile each one a DeepCompile compile and profile, its re-plan's included: Dynamo's
+    reset at the re-plan keeps the counters); None where this torch has no such counter."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001 - a figure missing, not a failed run
+        return None
+    value = counters.get("stats", {}).get("unique_graphs")
+    return int(value) if isinstance(value, (int, float)) else None
+
+
+def deepcompile_compiles(passes: Optional[List[Dict[str, Any]]]) -> Optional[Dict[str, int]]:
+    """DeepCompile's own compiles from its pass timings (:func:`deepcompile_pass_seconds`): the
+    forward and backward graphs its passes ran on; None where DeepSpeed keeps no timings."""
+    if passes is None:
+        return None
+    return {d: sum(1 for p in passes if p["direction"] == d) for d in ("fwd", "bwd")}
+
+
 def _launcher_env() -> None:
     """One process without a launcher: make it rank 0 of 1."""
     if "RANK" in os.environ:
@@ -515,7 +642,9 @@ def _build_model(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**model_config(args), max_position_embeddings=max(args.seq, 64),
+    lengths = getattr(args, "lengths", None)
+    longest = max(args.seq, lengths.values[-1] if lengths is not None else 0, 64)
+    config = LlamaConfig(**model_config(args), max_position_embeddings=longest,
                          tie_word_embeddings=False, attn_implementation="sdpa")
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()
@@ -614,6 +743,7 @@ class _StepClock:
         self.times: List[float] = []
         self.losses: List[float] = []
         self.compile_marks: Dict[str, Dict[str, float]] = {}
+        self.graphs: List[Optional[int]] = []  # Dynamo's graph count after each step (DeepCompile)
         self.compiled_before: Dict[str, float] = {}
         self.marks: Dict[str, float] = {}  # compile_to_first_step_s, wall_to_last_step_s
         self._t0 = 0.0
@@ -695,6 +825,8 @@ class _StepClock:
             self.losses.append(loss)
         if i == 0:
             self.marks["compile_to_first_step_s"] = time.perf_counter() - self._t0
+        if self.deepcompile:
+            self.graphs.append(dynamo_graphs())
         if self.deepcompile and i in (0, 4, 5):  # the first step, the re-plan's (6th) either side
             self.compile_marks[str(i)] = compile_seconds()
         if self.deepcompile and i == self.total - 1:
@@ -716,11 +848,55 @@ class _StepClock:
                  "" if i >= self.first_timed else " (warm-up)")
 
 
+class _Batches:
+    """Our loop's batches, one per :meth:`next` call: random token ids (seeded per rank) of
+    ``micro_batch`` rows of ``--seq`` tokens, or of a length drawn per step (``--lengths``: from
+    ``LENGTHS_SEED``, the same on every rank); ``--pad-rows`` pads the rows after the first as a
+    collator does. Keeps each batch's length, its positions (``tokens``: micro-batch x length x
+    world size) and its real tokens (this rank's, x world size)."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world_size: int) -> None:
+        import torch
+
+        self.micro_batch, self.seq, self.world_size = args.micro_batch, args.seq, world_size
+        self.spec: Optional[LengthSpec] = getattr(args, "lengths", None)
+        self.pad_rows = bool(getattr(args, "pad_rows", False))
+        self.vocab = SIZES[args.size]["vocab_size"]
+        self._ids = torch.Generator().manual_seed(1000 + rank)
+        self._lengths = random.Random(LENGTHS_SEED)
+        self._rows = random.Random(LENGTHS_SEED + 1)  # the padded rows' real lengths
+        self.lengths: List[int] = []
+        self.tokens: List[int] = []
+        self.real_tokens: List[int] = []
+
+    def next(self, device: Any) -> Dict[str, Any]:
+        import torch
+
+        length = self.seq if self.spec is None else self._lengths.choice(self.spec.values)
+        ids = torch.randint(0, self.vocab, (self.micro_batch, length), generator=self._ids)
+        real = ids.numel()
+        if self.pad_rows:
+            mask = torch.ones_like(ids)
+            for row in range(1, self.micro_batch):
+                mask[row, self._rows.randint(max(1, length // 2), length):] = 0
+            ids = ids.masked_fill(mask == 0, 0)
+            batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device),
+                     "labels": ids.masked_fill(mask == 0, -100).to(device)}
+            real = int(mask.sum())
+        else:
+            ids = ids.to(device)
+            batch = {"input_ids": ids, "labels": ids}  # one tensor, as the model's labels
+        self.lengths.append(length)
+        self.tokens.append(self.micro_batch * length * self.world_size)
+        self.real_tokens.append(real * self.world_size)
+        return batch
+
+
 def _own_loop(args: argparse.Namespace, model: Any, config: Dict[str, Any], device: Any,
-              clock: _StepClock, rank: int) -> "tuple[Any, Callable[[], float]]":
+              clock: _StepClock, batches: _Batches) -> "tuple[Any, Callable[[], float]]":
     """Our loop: ``engine(...)``, ``engine.backward``, ``engine.step`` (or plain PyTorch with
-    AdamW for ``plain``) on random token batches; returns the engine (None for ``plain``) and
-    the step function."""
+    AdamW for ``plain``) on ``batches``; returns the engine (None for ``plain``) and the step
+    function."""
     import torch
 
     def phase(name: str) -> Any:
@@ -731,9 +907,9 @@ def _own_loop(args: argparse.Namespace, model: Any, config: Dict[str, Any], devi
     if args.variant == "plain":
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
-        def forward_backward(ids: Any) -> Any:
+        def forward_backward(batch: Dict[str, Any]) -> Any:
             with phase("forward"):
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = model(**batch).loss
             with phase("backward"):
                 loss.backward()
             with phase("optimizer_step"):
@@ -750,21 +926,17 @@ def _own_loop(args: argparse.Namespace, model: Any, config: Dict[str, Any], devi
             config=config)
         clock.watch(engine)
 
-        def forward_backward(ids: Any) -> Any:
+        def forward_backward(batch: Dict[str, Any]) -> Any:
             with phase("forward"):
-                loss = engine(input_ids=ids, labels=ids).loss
+                loss = engine(**batch).loss
             with phase("backward"):
                 engine.backward(loss)
             with phase("optimizer_step"):
                 engine.step()
             return loss
 
-    g = torch.Generator().manual_seed(1000 + rank)
-    vocab = SIZES[args.size]["vocab_size"]
-
     def step() -> float:
-        ids = torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g).to(device)
-        return forward_backward(ids).item()  # .item() also waits for the device
+        return forward_backward(batches.next(device)).item()  # .item() also waits for the device
 
     clock.begin()
     if clock.deepcompile:
@@ -953,6 +1125,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "zero": None if variant == "plain" else 3,
         "deepspeed_config": None if variant == "plain" else config,
         "loop": "transformers.Trainer" if variant in TRAINER else "own",
+        # Per step: a length drawn from these (varlen) or --seq; rows full or collator-padded.
+        "lengths": args.lengths.record() if args.lengths is not None else None,
+        "rows": "padded" if args.pad_rows else "full",
     }
     if inductor:
         record["setup"]["inductor"] = inductor
@@ -970,12 +1145,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         raise SystemExit(f"--take-turns runs processes of world size 1 (each on its own); "
                          f"this one has {world_size} ranks")
     clock = _StepClock(variant, total, first_timed, deepcompile, on_gpu, conditions, turns)
+    batches = _Batches(args, rank, world_size)
     step: Optional[Callable[[], float]] = None  # one more step, for --trace and instrumenting
     try:
         if variant in TRAINER:
             engine = _trainer_steps(args, model, config, dtype, clock, world_size)
         else:
-            engine, step = _own_loop(args, model, config, device, clock, rank)
+            engine, step = _own_loop(args, model, config, device, clock, batches)
     finally:  # a failed step too: no sampler left running, no wrapper or gc callback left
         record["gpu_conditions"] = conditions.stop()
         clock.unwatch()
@@ -997,6 +1173,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         import torch._dynamo.utils
 
         record["graph_breaks"] = int(sum(torch._dynamo.utils.counters["graph_break"].values()))
+        # Compiles: Dynamo's graphs in all, after each step, and the steps that compiled one.
+        graphs = clock.graphs
+        record["dynamo_graphs"] = graphs[-1] if graphs else None
+        record["dynamo_graphs_by_step"] = graphs
+        record["compile_steps"] = [i for i, n in enumerate(graphs)
+                                   if n is not None and n > (graphs[i - 1] if i else 0)]
+        record["deepcompile_compiles"] = deepcompile_compiles(record["deepcompile_pass_seconds"])
         # Whether a warm cache could help: inductor's FX-graph and AOTAutograd cache outcomes.
         record["compile_caches"] = {
             k: int(v) for k, v in sorted(torch._dynamo.utils.counters["inductor"].items())
@@ -1047,12 +1230,33 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                          "max": max(times), "n": len(times), "all": times}
     tokens = args.micro_batch * args.seq * world_size
     median_s = record["step_ms"]["median"] / 1e3
-    record["tokens_per_s"] = tokens / median_s
     cfg = model_config(args)
     n_matmul = n_params - cfg["vocab_size"] * cfg["hidden_size"]  # minus the input embedding
-    flops = model_flops_per_step(n_matmul, cfg["num_hidden_layers"], cfg["hidden_size"],
-                                 args.seq, tokens // world_size)
-    record["tflops"] = flops / median_s / 1e12  # per GPU
+    # Each step's length and tokens (HF Trainer's batches: --seq, as its data set draws them).
+    lengths = batches.lengths[:total] if variant not in TRAINER else [args.seq] * len(all_steps)
+    step_tokens = batches.tokens[:total] if variant not in TRAINER else [tokens] * len(all_steps)
+    record["step_lengths"], record["step_tokens"] = lengths, step_tokens
+    if args.pad_rows:
+        record["step_real_tokens"] = batches.real_tokens[:total]
+    # Time per token over the timed steps: their time over their tokens (any length mix).
+    timed = range(first_timed, len(all_steps))
+    record["timed_tokens"] = sum(step_tokens[i] for i in timed)
+    record["us_per_token"] = sum(times) * 1e3 / record["timed_tokens"]
+    compiled = set(record.get("compile_steps") or ())
+    steady = [i for i in timed if i not in compiled]
+    record["us_per_token_steady"] = (sum(all_steps[i] for i in steady) * 1e6
+                                     / sum(step_tokens[i] for i in steady)) if steady else None
+    if args.lengths is None:
+        record["tokens_per_s"] = tokens / median_s
+        flops = model_flops_per_step(n_matmul, cfg["num_hidden_layers"], cfg["hidden_size"],
+                                     args.seq, tokens // world_size)
+        record["tflops"] = flops / median_s / 1e12  # per GPU
+    else:  # no typical step: the timed steps' tokens and model FLOPs over their time
+        timed_s = sum(times) / 1e3
+        record["tokens_per_s"] = record["timed_tokens"] / timed_s
+        flops = sum(model_flops_per_step(n_matmul, cfg["num_hidden_layers"], cfg["hidden_size"],
+                                         lengths[i], step_tokens[i] // world_size) for i in timed)
+        record["tflops"] = flops / timed_s / 1e12  # per GPU
     peak = _peak_tflops(device_name)
     record["peak_share"] = record["tflops"] / peak if peak else None
     if on_gpu:
@@ -1080,6 +1284,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     log.info("%s: median %.1f ms (min %.1f, max %.1f), %.0f tokens/s, %.1f TFLOP/s, peak %.2f GiB",
              variant, record["step_ms"]["median"], record["step_ms"]["min"],
              record["step_ms"]["max"], record["tokens_per_s"], record["tflops"], record["peak_gib"])
+    if args.lengths is not None or deepcompile:
+        log.info("%s: %.2f us per token over %d timed steps (%d tokens; %s without the steps "
+                 "that compiled); Dynamo graphs: %s, compiled at steps %s", variant,
+                 record["us_per_token"], len(times), record["timed_tokens"],
+                 "-" if record["us_per_token_steady"] is None
+                 else f"{record['us_per_token_steady']:.2f}",
+                 record.get("dynamo_graphs"), [i + 1 for i in record.get("compile_steps") or []])
     host = record["host_ms"]
     if host:
         log.info("%s: host ms per timed step (median): forward %.1f, backward %.1f, step %.1f, "
@@ -1136,10 +1347,17 @@ def _comparable_setup(record: Dict[str, Any]) -> Optional[Dict[str, Any]]:
                                       "device")}
 
 
-def bench_name(world_size: int) -> str:
+def bench_name(world_size: int, varlen: bool = False) -> str:
     """The result's name: ``lora_llama`` on one GPU, ``lora_llama_ws<N>`` on N (one file and one
-    table of docs/benchmarks.md per world size)."""
-    return "lora_llama" if world_size <= 1 else f"lora_llama_ws{world_size}"
+    table of docs/benchmarks.md per world size); ``lora_llama_varlen`` (``_ws<N>``) for the runs
+    of an invocation with varlen variants (their fixed-length baselines at the lengths' mean)."""
+    name = "lora_llama_varlen" if varlen else "lora_llama"
+    return name if world_size <= 1 else f"{name}_ws{world_size}"
+
+
+def is_varlen_invocation(variants: Sequence[str]) -> bool:
+    """Whether an invocation running ``variants`` is a varlen one (any varlen variant)."""
+    return any(v in VARLEN for v in variants)
 
 
 def _measured(record: Mapping[str, Any]) -> Dict[str, Any]:
@@ -1175,6 +1393,11 @@ def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[
     nothing). Every run but ``plain`` also gets ``vs["plain"]`` where its invocation ran
     ``plain`` (PyTorch without ZeRO and without checkpointing, the ceiling): its step time over
     plain's (``step_ratio``; at most 1.0: as fast as unsharded PyTorch) and ``peak_ratio``.
+    A varlen run (``dc-ckpt-single-varlen``...) gets ``vs["fixed"]`` instead, against its base
+    variant of the same invocation and DeepSpeed, run at the lengths' mean: ``token_time_ratio``
+    (its ``us_per_token`` over the base run's; 1.0: varying lengths cost nothing per token) and
+    ``steady_ratio`` (the same without the timed steps that compiled); the file is then
+    ``lora_llama_varlen`` (``_ws<N>``).
     Each ratio also names ``devices``: on how many GPUs the two runs' timed steps
     ran (2: one invocation's processes landed on two machines; None: not recorded).
 
@@ -1218,7 +1441,8 @@ def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[
         merged.setdefault("replaced", []).append(record)
         kept_beside.append(record)
     sizes = {(r.get("setup") or {}).get("world_size") for r in merged["runs"].values()} - {None}
-    name = bench_name(max(sizes, default=1))
+    variants = [str(r.get("variant")) for r in merged["runs"].values()]
+    name = bench_name(max(sizes, default=1), is_varlen_invocation(variants))
     # An output named after the bench with a suffix (lora_llama_h100.json: runs on another kind
     # of GPU) is a result of its own, with its own table.
     merged["bench"] = output.stem if output.stem.startswith(name + "_") else name
@@ -1268,8 +1492,20 @@ def merge(paths: List[Path], output: Path, beside: Sequence[Path] = ()) -> Dict[
                 "peak_ratio": (r["peak_gib"] / ref["peak_gib"]
                                if ref.get("peak_gib") and r.get("peak_gib") else None)}
 
+    def per_token(r: Mapping[str, Any], ref: Mapping[str, Any]) -> Dict[str, Any]:
+        mine, theirs = r.get("us_per_token"), ref.get("us_per_token")
+        steady, theirs_steady = r.get("us_per_token_steady"), ref.get("us_per_token_steady")
+        return {"variant": ref["variant"], "baseline_us_per_token": theirs,
+                "token_time_ratio": mine / theirs if mine and theirs else None,
+                "steady_ratio": steady / theirs_steady if steady and theirs_steady else None}
+
     for record in targets:
         run = record.get("run")
+        fixed = VARLEN.get(record["variant"])
+        if fixed is not None:  # against its fixed-length run, per token; no other baseline
+            attach(record, "fixed", same_run(fixed, record["versions"]["deepspeed"], run),
+                   per_token)
+            continue
         for base in ("upstream", "none"):
             attach(record, base, same_run(base, newest, run), speedup)
         attach(record, "plain",

@@ -42,23 +42,25 @@ SUMMARY_BEGIN = "<!-- bench-summary:begin -->"
 SUMMARY_END = "<!-- bench-summary:end -->"
 TABLES = ROOT / "docs" / "benchmarks.md"
 ORDER = ("deepcompile_first_step", "native_micro", "lora_llama", "lora_llama_ws2",
-         "persistent_group", "compile_scaling")
+         "lora_llama_varlen", "persistent_group", "compile_scaling")
 # Ratio baselines of results written without one (e.g. lora_llama.py's merge output).
 BASELINES: Dict[str, Tuple[Tuple[str, ...], bool]] = {
     "deepcompile_first_step": (("deepspeed-jit",), True),
     "native_micro": (("deepspeed", "ours"), False),
     "lora_llama": (("upstream", "none", "plain"), False),
+    "lora_llama_varlen": (("dc-ckpt-single", "dc-ckpt"), False),
 }
 
 
 def _family(name: str) -> str:
     """The benchmark a result belongs to: ``lora_llama_ws2`` (the 2-GPU runs) and
-    ``lora_llama_h100`` (runs on another kind of GPU) -> ``lora_llama``."""
+    ``lora_llama_h100`` (runs on another kind of GPU) -> ``lora_llama``; ``lora_llama_varlen``
+    (and ``lora_llama_varlen_h100``...) is a family of its own."""
     base, sep, ws = name.rpartition("_ws")
     if sep and ws.isdigit():
-        return base
-    for family in BASELINES:
-        if name.startswith(family + "_"):
+        name = base
+    for family in sorted(BASELINES, key=len, reverse=True):  # the longest name that fits
+        if name == family or name.startswith(family + "_"):
             return family
     return name
 
@@ -215,7 +217,8 @@ def _native_micro(result: Mapping[str, Any]) -> List[str]:
 
 _LORA_ORDER = ("plain", "none", "upstream", "reentrant", "ours", "dc", "dc-warm", "dc-ckpt",
                "trainer-dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream",
-               "dc-ckpt-upstream", "dc-ckpt-single", "dc-ckpt-single-reduce-each")
+               "dc-ckpt-upstream", "dc-ckpt-single", "dc-ckpt-single-reduce-each",
+               "dc-ckpt-varlen", "dc-ckpt-single-varlen")
 _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "upstream": "eager ZeRO-3, DeepSpeed's own", "reentrant": "eager ZeRO-3",
               "ours": "eager ZeRO-3 + ds_z3native holds", "dc": "DeepCompile + ds_z3native",
@@ -230,7 +233,9 @@ _LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
               "dc-ckpt-single": "DeepCompile + ds_z3native, `set_single_cycle(True)`",
               "dc-ckpt-single-reduce-each": "DeepCompile + ds_z3native, single cycle, a "
                                             "reduce_grad call per gradient "
-                                            "(`set_group_reduce(False)`)"}
+                                            "(`set_group_reduce(False)`)",
+              "dc-ckpt-varlen": "`dc-ckpt` on lengths drawn per step",
+              "dc-ckpt-single-varlen": "`dc-ckpt-single` on lengths drawn per step"}
 
 
 def _lora_speedup(r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> Optional[str]:
@@ -399,6 +404,98 @@ def _idle_cell(idle: Optional[Mapping[str, Any]]) -> str:
     phases = idle.get("by_phase") or {}
     return f"{idle['ms']:.1f} (" + " / ".join(
         f"{phases.get(k, 0.0):.1f}" for k in ("forward", "backward", "optimizer_step", "other")) + ")"
+
+
+def _lengths_cell(r: Mapping[str, Any]) -> str:
+    """A LoRA run's lengths: the draw of a varlen run, else its fixed tokens per row."""
+    setup = r.get("setup") or {}
+    lengths = setup.get("lengths")
+    if not lengths:
+        return f"{setup.get('seq', '?')} (fixed)"
+    step = f", step {lengths['step']}" if lengths.get("step", 1) != 1 else ""
+    return (f"uniform {lengths.get('min')}–{lengths.get('max')}{step} "
+            f"(mean {_num(lengths.get('mean'), '{:g}')})")
+
+
+def _compiles_cell(r: Mapping[str, Any]) -> str:
+    """Dynamo's graphs over the run and the steps (1-based) that compiled one."""
+    graphs = r.get("dynamo_graphs")
+    if not isinstance(graphs, int):
+        return "-"
+    steps = [i + 1 for i in r.get("compile_steps") or []]
+    return f"{graphs}" + (f" (step{'s' if len(steps) > 1 else ''} "
+                          f"{', '.join(map(str, steps))})" if steps else "")
+
+
+def _vs_fixed(r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> str:
+    """A varlen run's time per token over its fixed-length run's (``vs["fixed"]`` from
+    lora_llama.py merge), naming that run's time where it is not the table's row."""
+    ref = (r.get("vs") or {}).get("fixed") or {}
+    ratio = ref.get("token_time_ratio")
+    if not isinstance(ratio, (int, float)):
+        return "-"
+    base = ref.get("baseline_us_per_token")
+    steady = ref.get("steady_ratio")
+    return (f"{ratio:.3f}x `{ref['variant']}`'s"
+            + (f" of its run ({base:.2f} µs)" if not _own_row(ref["variant"], r, runs)
+               and isinstance(base, (int, float)) else "")
+            + (f" ({steady:.3f}x without the timed steps that compiled)"
+               if isinstance(steady, (int, float)) and abs(steady - ratio) > 5e-4 else "")
+            + _other_gpu(ref))
+
+
+def _lora_varlen(result: Mapping[str, Any]) -> List[str]:
+    """DeepCompile on lengths drawn per step against its base variant at their mean, per token
+    (``bench/lora_llama.py``'s varlen variants)."""
+    runs = result["runs"]
+    first = next((r for r in runs.values() if r.get("setup")), {})
+    s = result.get("setup") or first.get("setup") or {}
+    model = s.get("model") or {}
+    rows = []
+    for key in _lora_keys(runs):
+        r = runs[key]
+        variant = run_variant(key, r)
+        setup = r.get("setup") or {}
+        head = [variant, _lengths_cell(r), str(run_deepspeed(key, r) or "-")]
+        if not run_ok(r):
+            rows.append(head + [_error(r)] + ["-"] * 8)
+            continue
+        n = (r.get("step_ms") or {}).get("n")
+        tokens = r.get("timed_tokens")
+        steady = r.get("us_per_token_steady")
+        us = r.get("us_per_token")
+        compiles = r.get("deepcompile_compiles") or {}
+        rows.append(head + [
+            f"{len(r.get('step_s_all') or [])} ({_num(n, '{:d}')})",
+            _num(tokens / n if isinstance(tokens, (int, float)) and n else None, "{:,.0f}"),
+            _num(us, "{:.2f}") + (f" ({steady:.2f} steady)" if isinstance(steady, (int, float))
+                                  and isinstance(us, (int, float)) and abs(steady - us) > 5e-3
+                                  else ""),
+            _vs_fixed(r, runs),
+            _spread(r.get("step_ms"), "{:.1f}"),
+            _compiles_cell(r),
+            (f"{compiles['fwd']} / {compiles['bwd']}" if compiles else "-"),
+            _num(r.get("peak_gib"), "{:.2f}"),
+            " / ".join(_num(r.get(k), "{:.0f}", " s") for k in (
+                "compile_to_first_step_s", "wall_to_last_step_s")) if setup.get("deepcompile")
+            else "-"])
+    params = model.get("params")
+    rows_kind = {(r.get("setup") or {}).get("rows", "full") for r in runs.values()} - {None}
+    title = ("**DeepCompile on batches of varying length** ("
+             + (f"{params / 1e9:.2f} B params, " if isinstance(params, (int, float)) else "")
+             + (f"LoRA r={model['lora_r']}, " if model.get("lora_r") else "")
+             + f"micro-batch {s.get('micro_batch', '?')}, "
+             + ("each row a collator-padded row of the step's length"
+                if rows_kind == {"padded"} else "every row the step's length (no padding)")
+             + f", {s.get('dtype', '?')}, {s.get('world_size', '?')} GPU(s), "
+             + f"{s.get('device', '?')}; each varlen run against its base variant at the "
+               "lengths' mean in the same run; µs per token: the timed steps' time over their "
+               "tokens; steady: without the timed steps that compiled):")
+    return [title, ""] + _table(
+        ["variant", "tokens per row", "DeepSpeed", "steps (timed)", "tokens per timed step",
+         "µs per token", "time per token vs fixed length", "ms/step (min–max)",
+         "Dynamo graphs (steps that compiled)", "DeepCompile compiles (fwd / bwd)", "peak GiB",
+         "compile to end of step 1 / to last step"], rows)
 
 
 def _generic(result: Mapping[str, Any]) -> List[str]:
@@ -588,7 +685,7 @@ def _summary_persistent_group(result: Mapping[str, Any]) -> List[List[str]]:
 
 _FORMATTERS: Dict[str, Callable[[Mapping[str, Any]], List[str]]] = {
     "deepcompile_first_step": _first_step, "native_micro": _native_micro,
-    "lora_llama": _lora, "persistent_group": _persistent_group,
+    "lora_llama": _lora, "lora_llama_varlen": _lora_varlen, "persistent_group": _persistent_group,
     "compile_scaling": _compile_scaling}
 
 
@@ -753,6 +850,38 @@ def _summary_trainer(result: Mapping[str, Any], size: str) -> List[List[str]]:
     return rows
 
 
+def _summary_lora_varlen(result: Mapping[str, Any]) -> List[List[str]]:
+    """A row per varlen run with its fixed-length run of the same invocation as the table's row:
+    time per token on lengths drawn per step against the base variant's at their mean."""
+    rows = []
+    runs = result["runs"]
+    for key in _lora_keys(runs):
+        r = runs[key]
+        ref = (r.get("vs") or {}).get("fixed") or {}
+        ratio = ref.get("token_time_ratio")
+        if (not run_ok(r) or not isinstance(ratio, (int, float))
+                or not _own_row(ref.get("variant", ""), r, runs)):
+            continue
+        variant = run_variant(key, r)
+        setup = r.get("setup") or {}
+        lengths = setup.get("lengths") or {}
+        params = (setup.get("model") or {}).get("params")
+        ws = setup.get("world_size") or 1
+        steps = len(r.get("step_s_all") or [])
+        rows.append([
+            f"DeepCompile LoRA step on lengths uniform in {lengths.get('min')}–"
+            f"{lengths.get('max')} (dynamic shapes), "
+            + (f"{params / 1e9:.2f} B Llama, " if isinstance(params, (int, float)) else "")
+            + f"{ws} GPU{'' if ws == 1 else 's'}, checkpointing: {setup.get('checkpointing', '-')}",
+            f"`{variant}`: {_num(r.get('us_per_token'), '{:.2f}')} µs per token, "
+            f"{_num(r.get('dynamo_graphs'), '{:d}')} Dynamo graphs in {steps} steps",
+            f"`{ref['variant']}` at {setup.get('seq', '?')} tokens per row: "
+            f"{_num(ref.get('baseline_us_per_token'), '{:.2f}')} µs per token",
+            f"{ratio:.2f}x the time per token" + _other_gpu(ref),
+            _measured(result, r, gpus=ws)])
+    return rows
+
+
 def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
     """At the run's deepest depth: our cold, warm and single-cycle wall time to the last step
     against DeepSpeed's op's cold one, each where the summary has it (runs of one label). Where
@@ -804,8 +933,8 @@ def _summary_compile_scaling(result: Mapping[str, Any]) -> List[List[str]]:
 
 _SUMMARIES: Dict[str, Callable[[Mapping[str, Any]], List[List[str]]]] = {
     "deepcompile_first_step": _summary_first_step, "native_micro": _summary_native_micro,
-    "lora_llama": _summary_lora, "persistent_group": _summary_persistent_group,
-    "compile_scaling": _summary_compile_scaling}
+    "lora_llama": _summary_lora, "lora_llama_varlen": _summary_lora_varlen,
+    "persistent_group": _summary_persistent_group, "compile_scaling": _summary_compile_scaling}
 
 
 def render_summary(results: Mapping[str, Mapping[str, Any]], tables: str = "docs/benchmarks.md"
@@ -850,9 +979,12 @@ def _plot_rows(results: Mapping[str, Mapping[str, Any]]
     for name in [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER):
         runs = results[name]["runs"]
         metric, label = (("first_step_s", "s to end of first step")
-                         if name == "deepcompile_first_step" else ("step_ms", "ms / step"))
+                         if name == "deepcompile_first_step" else
+                         ("us_per_token", "µs / token") if _family(name) == "lora_llama_varlen"
+                         else ("step_ms", "ms / step"))
         # LoRA bars in the table's row order (eager first, then DeepCompile); others by name.
-        keys = _lora_keys(runs) if _FORMATTERS.get(_family(name)) is _lora else sorted(runs)
+        keys = (_lora_keys(runs) if _FORMATTERS.get(_family(name)) in (_lora, _lora_varlen)
+                else sorted(runs))
         times = [(k, v) for k in keys if run_ok(runs[k])
                  for v in [metric_value(runs[k], metric)] if v is not None]
         peaks = [(k, v) for k in keys if run_ok(runs[k])

@@ -6,7 +6,10 @@ prefetches as far ahead as DeepSpeed allows without a budget, and each just befo
 DeepCompile plans prefetches from profiled memory and a timed all-gather, which only a CUDA run
 produces (on the CPU the pass skips itself). The graph and its profile here are what DeepCompile
 hands the pass, written out: no param's memory binds, and the all-gather time does not grow with
-size (every fusion pays), so DeepSpeed's window holds all six gathers.
+size (every fusion pays), so DeepSpeed's window holds all six gathers. The params differ in size
+(1 and 2 MiB), so that a budget is met in bytes, not in a count of params: the bytes in flight
+at a point of the graph are those of the params prefetched before it whose gather comes at or
+after it.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from helpers.dist import run_ranks
 pytestmark = pytest.mark.deepspeed
 
 GRAPH_ID = 7
-N_PARAMS = 6
-PARAM_BYTES = 1 << 20
+MIB = 1 << 20
+PARAM_BYTES = [MIB, 2 * MIB, MIB, MIB, 2 * MIB, MIB]  # param i's gathered bytes
+N_PARAMS = len(PARAM_BYTES)
 
 
 def _graph() -> Any:
@@ -50,7 +54,7 @@ def _profile(graph: Any) -> SimpleNamespace:
         process_group=None, fwd_graph=graph, fwd_mem_complete=True,
         fwd_mem=[(n.name, 0, 0, 0) for n in nodes],
         fwd_time=[(n.name, 1.0, 1.0) for n in nodes],
-        fwd_tensor_sizes=[(n.name, PARAM_BYTES) for n in nodes
+        fwd_tensor_sizes=[(n.name, PARAM_BYTES[n.args[2]]) for n in nodes
                           if n.target is torch.ops.dc.allgather_param.default])
 
 
@@ -63,8 +67,12 @@ def _schedule(rank: int, world_size: int, install: bool, budget_mib: Optional[fl
 
     import ds_z3native
 
+    import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
+    # Without a JIT build of DeepSpeed's shared-memory comm op (gloo is all this needs): a build
+    # waits on the extension cache's lock, which another process may hold.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     # The pass only ever runs on CUDA; DeepSpeed's CPU accelerator names its device "0", which
     # torch.device() refuses, so name the CPU device for it.
@@ -88,12 +96,16 @@ def _schedule(rank: int, world_size: int, install: bool, budget_mib: Optional[fl
     gathers = {n.args[2]: i for i, n in enumerate(nodes)
                if n.target is torch.ops.dc.allgather_param.default}
     groups: List[Dict[str, Any]] = []
+    prefetched_at: Dict[int, int] = {}
     for i, n in enumerate(nodes):
         if n.target is torch.ops.dc.prefetch_params_fused.default:
             ids = list(n.args[2])
             groups.append({"ids": ids, "ahead": gathers[ids[0]] - i})
+            prefetched_at.update({ds_id: i for ds_id in ids})
+    in_flight = [sum(PARAM_BYTES[ds_id] for ds_id, at in prefetched_at.items()
+                     if at < pos <= gathers[ds_id]) for pos in range(len(nodes))]
     return {"groups": groups, "window_after": prefetch.MAX_BUFFERED_SIZE,
-            "default_window": default_window}
+            "default_window": default_window, "max_bytes_in_flight": max(in_flight)}
 
 
 def _run(install: bool, budget_mib: Optional[float]) -> Dict[str, Any]:
@@ -115,16 +127,30 @@ def test_a_zero_budget_gathers_each_param_just_before_its_use() -> None:
     assert r["window_after"] == r["default_window"]  # the constant is restored after the pass
 
 
-def test_a_budget_bounds_the_bytes_in_flight() -> None:
-    # 2.5 MiB: at most two 1 MiB params may be outstanding ahead of their use.
-    r = _run(install=True, budget_mib=2.5)
+@pytest.mark.parametrize("budget_mib", [2.5, 4.5])
+def test_a_budget_bounds_the_bytes_in_flight(budget_mib: float) -> None:
+    # Every param is still prefetched (the window is used, not dropped), and at no point of the
+    # scheduled graph do the params prefetched ahead of their gather take more than the budget
+    # and one param: DeepSpeed's pass checks its window before it adds the next gather to it,
+    # so the group it then launches may overshoot by that gather (see the next test).
+    r = _run(install=True, budget_mib=budget_mib)
     assert sorted(i for g in r["groups"] for i in g["ids"]) == list(range(N_PARAMS))
-    assert len(r["groups"]) > 1 and all(len(g["ids"]) <= 3 for g in r["groups"]), r["groups"]
+    assert len(r["groups"]) > 1, r["groups"]
+    assert 0 < r["max_bytes_in_flight"] <= budget_mib * MIB + max(PARAM_BYTES), r
+
+
+@pytest.mark.xfail(strict=True, reason="DeepSpeed's prefetch pass overshoots MAX_BUFFERED_SIZE by "
+                                       "up to one gather, so the budget is not yet a hard cap in "
+                                       "bytes (2.5 MiB: 4 MiB in flight)")
+def test_the_bytes_in_flight_stay_within_the_budget() -> None:
+    r = _run(install=True, budget_mib=2.5)
+    assert r["max_bytes_in_flight"] <= 2.5 * MIB, r
 
 
 def test_the_budget_is_ours_deepspeed_alone_ignores_it() -> None:
     r = _run(install=False, budget_mib=0)
     assert [sorted(g["ids"]) for g in r["groups"]] == [list(range(N_PARAMS))]
+    assert r["max_bytes_in_flight"] == sum(PARAM_BYTES)  # every param in flight at once
 
 
 def test_bad_budgets_are_refused(clean_settings) -> None:

@@ -2,8 +2,10 @@
 Inductor's FX-graph cache hit across runs (canonical graph ids), the profile store's manifests and
 the warm start from them, a single compile cycle (``set_single_cycle``) and its regrouped forward,
 and the params kept gathered reached by one call per graph with their gradients reduced by one
-call (on two gloo ranks). Runs as in ``tests/test_deepcompile_cpu.py``; on a GPU:
-``tests/gpu/test_profile_store_gpu.py``.
+call, within a persistence budget (on two gloo ranks). Each rank of a two-rank run trains on
+batches of its own, and the run is measured against DeepSpeed alone training the same ranks
+eagerly (ZeRO-3 for the Llama, ZeRO-0 for the small model; one reference run each, shared).
+Runs as in ``tests/test_deepcompile_cpu.py``; on a GPU: ``tests/gpu/test_profile_store_gpu.py``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from ds_z3native.settings import PROFILE_STORE_ENV, WARM_START_ENV
-from helpers.dc_cpu import CPU_ENV, STEPS, assert_same_training, ok
+from ds_z3native.settings import PERSISTENCE_BUDGET_ENV, PROFILE_STORE_ENV, WARM_START_ENV
+from helpers.dc_cpu import CPU_ENV, STEPS, assert_same_on_every_rank, assert_same_training, ok
 from helpers.dc_runner import cpu_deepcompile_mark, run_alone, run_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed, cpu_deepcompile_mark()]
@@ -25,6 +27,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.deepspeed, cpu_deepcompile_mark()]
 # Two ranks of a LoRA Llama with non-reentrant checkpointing, the last step's op calls counted.
 _LLAMA_KEPT = ["--model", "llama", "--size", "tiny", "--checkpointing", "non-reentrant",
                "--count-ops"]
+# What the two-rank runs are measured against: the same ranks and batches (each rank its own)
+# trained by DeepSpeed alone, eagerly (no ds_z3native, nothing compiled).
+_UNPATCHED = ["--mode", "eager", "--native", "deepspeed"]
+
+
+def _two_ranks(name: str, argv: List[str], env: Dict[str, str], steps: int = STEPS
+               ) -> Dict[str, Any]:
+    return ok(run_together({name: (argv, steps)}, env=env, nprocs={name: 2})[name], steps=steps)
+
+
+@pytest.fixture(scope="module")
+def llama_reference() -> Dict[str, Any]:
+    """``_LLAMA_KEPT``'s model on two ranks under DeepSpeed's eager ZeRO-3 alone (about a
+    sixth of a DeepCompile run's CPU time): the anchor of every two-rank Llama run here."""
+    return _two_ranks("llama-reference", ["--model", "llama", "--size", "tiny", "--checkpointing",
+                                          "non-reentrant", *_UNPATCHED, "--eager-stage", "3"],
+                      CPU_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +59,25 @@ def llama_kept_gathered(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path,
     return root, ok(runs["cold"])
 
 
+# The persistence budget of the budget test's run: under half of the one-layer Llama's 1.3 MiB of
+# params, so that DeepCompile's choice of every param (--persist-all) is partly declined.
+_BUDGET_MIB = 0.5
+
+
+@pytest.fixture(scope="module")
+def llama_within_budget() -> Dict[str, Any]:
+    """``_LLAMA_KEPT``'s model with one decoder layer on two ranks, every param chosen to be
+    kept gathered, under a persistence budget of ``_BUDGET_MIB``. A single compile cycle
+    (``--single-cycle``: the choice at the first step's last backward graph) and two steps: a
+    quarter less CPU time than a two-cycle run to its re-plan."""
+    argv = ["--model", "llama", "--size", "tiny", "--layers", "1", "--checkpointing",
+            "non-reentrant", "--persist-all", "--single-cycle"]
+    return _two_ranks("budget", argv, {**CPU_ENV, PERSISTENCE_BUDGET_ENV: str(_BUDGET_MIB)},
+                      steps=2)
+
+
 def test_params_kept_gathered_and_gradients_are_reached_by_one_call_per_group_and_train_the_same(
-        llama_kept_gathered: Tuple[Path, Dict[str, Any]]) -> None:
+        llama_kept_gathered: Tuple[Path, Dict[str, Any]], llama_reference: Dict[str, Any]) -> None:
     # Two ranks (gloo), a LoRA Llama with non-reentrant checkpointing, every param kept gathered
     # from the re-plan on (--persist-all stands in for DeepCompile's memory policy, which keeps
     # nothing on a CPU). Grouped: each re-planned graph reaches them with one gather_persistent
@@ -50,15 +86,17 @@ def test_params_kept_gathered_and_gradients_are_reached_by_one_call_per_group_an
     # DeepSpeed's three dc op calls per use and one reduce_grad call per gradient. The last
     # step's op calls are counted. The grouped run is the fixture's (its empty profile store
     # changes nothing before the re-plan writes a manifest; the single-cycle test's two-cycle
-    # run groups without a store).
-    env = CPU_ENV
+    # run groups without a store). Each rank trains on batches of its own, and both runs train
+    # as DeepSpeed's eager ZeRO-3 does on the same ranks.
     argv = [*_LLAMA_KEPT, "--persist-all", "--no-group-persistent", "--no-group-reduce"]
-    ungrouped = ok(run_together({"ungrouped": (argv, STEPS)}, env=env,
-                                nprocs={"ungrouped": 2})["ungrouped"])
+    ungrouped = _two_ranks("ungrouped", argv, CPU_ENV)
     grouped = llama_kept_gathered[1]
     assert_same_training(grouped, ungrouped, rtol=1e-5, atol=1e-6)
-    for rank in grouped["other_ranks"]:
-        assert rank["losses"] == grouped["losses"]
+    loss_diff, param_diff = assert_same_on_every_rank(grouped, llama_reference, rtol=1e-4,
+                                                      atol=1e-5)
+    assert_same_on_every_rank(ungrouped, llama_reference, rtol=1e-4, atol=1e-5)
+    print(f"\n[persistent group] against eager ZeRO-3 on two ranks: max |loss diff| "
+          f"{loss_diff:.2e}, max |LoRA param diff| {param_diff:.2e}")
     stats = grouped["persistent_group"]
     assert stats["early_choices"] == 1 and stats["graphs"] >= 2  # forward and backward
     calls, weak = grouped["op_calls_last_step"], ungrouped["op_calls_last_step"]
@@ -78,6 +116,30 @@ def test_params_kept_gathered_and_gradients_are_reached_by_one_call_per_group_an
     # The optimizer steps took each gradient norm over the buffer DeepCompile's backward fills:
     # one span per step (one param group), never DeepSpeed's per-param loop.
     assert grouped["flat_grad_norm"] == {"flat": STEPS, "per_param": 0}
+
+
+def test_params_kept_gathered_stay_within_the_persistence_budget(
+        llama_kept_gathered: Tuple[Path, Dict[str, Any]],
+        llama_within_budget: Dict[str, Any]) -> None:
+    # The bytes a run holds gathered after training (each param's full padded copy; two ranks,
+    # so each copy is memory of its own) against set_persistence_budget: DeepCompile chose every
+    # param; within the budget only those that fit stay gathered (the others are gathered at
+    # each use), the runtime's own record says the same, and without a budget all of them do.
+    budget = int(_BUDGET_MIB * 2**20)
+    for rank, r in enumerate([llama_within_budget, *llama_within_budget["other_ranks"]]):
+        held, info = r["gathered_at_end"], r["gathered_at_end"]["persistence"]
+        print(f"\n[persistence budget] rank {rank}: {held['params']} params, {held['bytes']} "
+              f"bytes held gathered; {info}")
+        assert info["budget_bytes"] == budget
+        assert 0 < held["bytes"] <= budget
+        assert held["bytes"] == info["selected_bytes"] and held["params"] == info["selected"]
+        assert info["declined"] > 0
+        # The params that fit are reached by gather_persistent, the others per use.
+        assert r["persistent_group"]["params"] > 0 and r["persistent_group"]["graphs"] >= 2
+    unbounded = llama_kept_gathered[1]["gathered_at_end"]
+    assert unbounded["persistence"]["budget_bytes"] is None
+    assert unbounded["persistence"]["declined"] == 0
+    assert unbounded["bytes"] == unbounded["persistence"]["selected_bytes"] > 2 * budget
 
 
 def _cached_env(tmp_path: Path) -> Tuple[Path, Dict[str, str]]:
@@ -186,19 +248,17 @@ def test_a_single_cycle_compiles_each_graph_once_and_a_later_run_starts_warm_fro
     # two-cycle run's. It trains as the two-cycle run, and its manifests (every param chosen
     # before the regrouped forward) let the next run start warm, from inductor's cache, with
     # those graphs, training the same.
+    # All train as DeepSpeed's ZeRO-0 does, eagerly on the same two ranks, each rank its own
+    # batches.
     store, env = _cached_env(tmp_path)
     args = ["--model", "frozen-linear", "--persist-all", "--count-ops"]
-
-    def on_two_ranks(name: str, argv: List[str], environ: Dict[str, str]) -> Dict[str, Any]:
-        result = ok(run_together({name: (argv, STEPS)}, env=environ, nprocs={name: 2})[name])
-        for rank in result["other_ranks"]:
-            assert rank["losses"] == result["losses"]
-        return result
-
-    single = on_two_ranks("single", args + ["--single-cycle"], env)
+    single = _two_ranks("single", args + ["--single-cycle"], env)
     manifests = {p.name: json.loads(p.read_text()) for p in store.iterdir()}
-    warm = on_two_ranks("warm", args, env)
-    twice = on_two_ranks("twice", args, CPU_ENV)
+    warm = _two_ranks("warm", args, env)
+    twice = _two_ranks("twice", args, CPU_ENV)
+    reference = _two_ranks("reference", ["--model", "frozen-linear", *_UNPATCHED], CPU_ENV)
+    for run in (single, twice, warm):
+        assert_same_on_every_rank(run, reference, rtol=1e-5, atol=1e-6)
     print(f"\n[single cycle] {single['warm_start']} {single['compile_caches']}; two cycles "
           f"{twice['compile_caches']}; warm {warm['warm_start']} {warm['compile_caches']}; "
           f"manifest {manifests}")
@@ -227,14 +287,16 @@ def test_a_single_cycle_compiles_each_graph_once_and_a_later_run_starts_warm_fro
 
 
 def test_a_warm_start_keeps_the_re_plans_params_gathered_in_one_call_per_graph(
-        tmp_path: Path, llama_kept_gathered: Tuple[Path, Dict[str, Any]]) -> None:
+        tmp_path: Path, llama_kept_gathered: Tuple[Path, Dict[str, Any]],
+        llama_reference: Dict[str, Any]) -> None:
     # Two ranks (gloo), a LoRA Llama with non-reentrant checkpointing. The first run (the
     # fixture's) keeps every param gathered (--persist-all stands in for DeepCompile's memory
     # policy, which keeps nothing on a CPU) and groups them at its re-plan; the second run is told
     # nothing of that and gets it from the store's manifest: from step 0 its graphs reach the
-    # params with one gather_persistent call each, and it trains as the first.
+    # params with one gather_persistent call each, and it trains as the first, and as
+    # DeepSpeed's eager ZeRO-3 on the same ranks.
     store, env, cold = _copy_caches(llama_kept_gathered, tmp_path)
-    warm = ok(run_together({"warm": (_LLAMA_KEPT, STEPS)}, env=env, nprocs={"warm": 2})["warm"])
+    warm = _two_ranks("warm", _LLAMA_KEPT, env)
     print(f"\n[warm start] cold {cold['persistent_group']} {cold['compile_caches']}; warm "
           f"{warm['warm_start']} {warm['persistent_group']} {warm['compile_caches']}; last step's "
           f"op calls: warm {warm['op_calls_last_step']}")
@@ -253,5 +315,4 @@ def test_a_warm_start_keeps_the_re_plans_params_gathered_in_one_call_per_graph(
     assert sum(warm["compile_caches"].values()) * 2 == sum(cold["compile_caches"].values())
     assert warm["compile_caches"] == {"fxgraph_cache_hit": sum(warm["compile_caches"].values())}
     assert_same_training(warm, cold, rtol=1e-5, atol=1e-6)
-    for rank in warm["other_ranks"]:
-        assert rank["losses"] == warm["losses"]
+    assert_same_on_every_rank(warm, llama_reference, rtol=1e-4, atol=1e-5)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers.dist import run_python
-from helpers.native_scenarios import GARBAGE, Z3_PARAMS, scenario
+from helpers.native_scenarios import GARBAGE, KEPT, REDUCE_GROUPS, Z3_PARAMS, scenario
 
 WORLD_SIZES = [2, 3]
 
@@ -91,6 +91,56 @@ def test_zero_1_and_2(ws: int) -> None:
     # Together the ranks own every element once.
     owned = sum(got.numel() for r in ranks for got, _ in r["z2"].values())
     assert owned == sum((5, 7, 4, 9))
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_gather_persistent_equals_all_gather_after_a_step(ws: int) -> None:
+    # ds_z3native::gather_persistent, each rank its own shards: what torch.distributed's
+    # all_gather_into_tensor makes of the same shards, in one call for the whole group. On one
+    # rank the kept copy is the shard's own memory, so a copy not gathered again after the step
+    # would still read right; here it is a real copy.
+    for rank, r in enumerate(scenario(ws, "grouped")):
+        for tag in ("kept", "kept_again", "after_step", "after_step_bf16"):
+            values = r[tag]["values"]
+            assert list(values) == KEPT
+            for ds_id, (got, ref, full) in values.items():
+                assert got.shape == Z3_PARAMS[ds_id][0] and got.dtype == ref.dtype, (tag, ds_id)
+                assert torch.equal(got, ref), (rank, tag, ds_id, got, ref)
+                assert torch.equal(got, full), (rank, tag, ds_id)
+        assert r["kept_again"]["allgather_calls"] == 0  # kept: handed out again
+        # After the step every trainable param kept gathered is gathered again (its values
+        # changed), a frozen one never.
+        assert r["after_step"]["allgather_calls"] == r["n_trainable_kept"] > 0
+        # A different dtype is converted from the kept copy, nothing gathered.
+        assert r["after_step_bf16"]["allgather_calls"] == 0
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_reduce_grads_equals_reduce_scatter_of_the_mean(ws: int) -> None:
+    # ds_z3native::reduce_grads, each rank its own gradients, two micro-steps accumulated: what
+    # torch.distributed's reduce-scatter of the same (padded) gradients gives, divided by
+    # the world size; a param listed twice in a group gets both gradients.
+    for rank, r in enumerate(scenario(ws, "grouped")):
+        reduced = r["reduced"]
+        assert set(reduced) == {i for g in REDUCE_GROUPS for i in g}
+        for ds_id, (got, expected) in reduced.items():
+            torch.testing.assert_close(got, expected, msg=f"rank {rank} of {ws}, ds_id {ds_id}")
+            assert not torch.any(got == GARBAGE), (rank, ds_id)
+        stats = r["reduce_stats"]
+        assert stats["reduce_scatter_calls"] == 2 * sum(len(g) for g in REDUCE_GROUPS)
+        assert stats["allreduce_calls"] == 0
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_release_frees_every_param_but_the_persistent_ones(ws: int) -> None:
+    # After its last user's release_param a param is no longer gathered, frozen ones included
+    # (a frozen param's gathered copy is never needed for a gradient: held, it is memory lost
+    # for the rest of training); a persistent one stays.
+    for r in scenario(ws, "grouped"):
+        for ds_id, (gathered, frozen, persistent) in r["released"].items():
+            assert gathered == persistent, (ds_id, "frozen" if frozen else "trainable",
+                                            "persistent" if persistent else "released")
+        assert any(frozen and not persistent for _, frozen, persistent in r["released"].values())
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)

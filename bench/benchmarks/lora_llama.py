@@ -1,7 +1,10 @@
 """The ``lora_llama`` benchmark: a 1 B Llama with PEFT LoRA, one process of
 ``bench/lora_llama.py`` per variant and DeepSpeed, merged into one result by the script's
 ``merge`` (``lora_llama_ws<N>`` at N ranks). ``--variants`` re-runs some variants into the
-existing result; ``--trace`` profiles two more steps of each."""
+existing result; ``--trace`` profiles two more steps of each. ``--variants`` naming a varlen
+variant (``dc-ckpt-single-varlen``, with its base ``dc-ckpt-single``) makes a varlen invocation:
+the varlen runs draw their lengths (``VARLEN_DC_STEPS`` steps), the others run at the lengths'
+mean (DeepCompile ones ``FIXED_DC_STEPS`` steps), into ``lora_llama_varlen``."""
 
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ from ds_z3native.settings import PROFILE_STORE_ENV
 from bench.core.registry import BenchContext, Benchmark, deepspeed_envs, register
 from bench.core.runner import Command, run_command, run_commands
 from bench.core.schema import read_json, versions
-from bench.lora_llama import DEEPCOMPILE, OPT_IN, TRAINER, VARIANTS, bench_name
+from bench.lora_llama import (DEEPCOMPILE, DEFAULT_LENGTHS, FIXED_DC_STEPS, OPT_IN, TRAINER,
+                               VARIANTS, VARLEN, VARLEN_DC_STEPS, bench_name, fixed_length,
+                               is_varlen_invocation, parse_lengths)
 
 __all__ = ["SCRIPT", "BENCHMARK", "check_lora_variants"]
 
@@ -40,6 +45,21 @@ def check_lora_variants(variants: Sequence[str]) -> None:
         if trainer in variants and own not in variants:
             raise ValueError(f"lora_llama variant {trainer} is measured against our loop's {own} "
                              f"of the same invocation: pick {own} as well")
+    for varlen, fixed in VARLEN.items():
+        if varlen in variants and fixed not in variants:
+            raise ValueError(f"lora_llama variant {varlen} is measured against {fixed} at its "
+                             f"lengths' mean in the same invocation: pick {fixed} as well")
+
+
+def _length_args(variant: str, varlen: bool) -> List[str]:
+    """A variant's length and step arguments in a varlen invocation (none otherwise): the
+    varlen runs draw ``DEFAULT_LENGTHS``, the others run at its mean."""
+    if not varlen:
+        return []
+    if variant in VARLEN:
+        return ["--lengths", DEFAULT_LENGTHS, "--dc-steps", str(VARLEN_DC_STEPS)]
+    return (["--seq", str(fixed_length(parse_lengths(DEFAULT_LENGTHS)))]
+            + (["--dc-steps", str(FIXED_DC_STEPS)] if variant in DEEPCOMPILE else []))
 
 
 def _lora_inductor_cache(ctx: BenchContext, deepspeed: str, variant: str = "") -> Dict[str, str]:
@@ -73,6 +93,7 @@ def _lora_commands(ctx: BenchContext) -> List[Command]:
     else:  # a full run: the opt-in variants run only when named
         variants = tuple(v for v in variants if v not in OPT_IN)
     check_lora_variants(variants)
+    varlen = is_varlen_invocation(variants)
     for ds, env in deepspeed_envs(ctx):
         # Another DeepSpeed is there for ds_z3native's fix on it: only "ours" runs on it.
         for variant in (variants if not env else tuple(v for v in ("ours",) if v in variants)):
@@ -80,7 +101,8 @@ def _lora_commands(ctx: BenchContext) -> List[Command]:
             port = ([f"--master_port={free_port()}"] if ranks > 1 else [])
             trace = ["--trace", str(ctx.trace / ds)] if ctx.trace is not None else []
             cmds.append(Command([*launcher, *port, script, "--variant", variant, *steps, *trace,
-                                 "--run", ctx.run_id, "--output", str(out)],
+                                 *_length_args(variant, varlen), "--run", ctx.run_id,
+                                 "--output", str(out)],
                                 label=f"lora_llama {variant}@{ds}",
                                 env={**env, **_lora_inductor_cache(ctx, ds, variant)}, output=out))
     return cmds
@@ -94,7 +116,8 @@ def _lora_merge(cmds: Sequence[Command], ctx: BenchContext, script: str) -> Dict
     merged = ctx.work_dir / "lora" / "merged.json"
     if merged.exists():
         merged.unlink()
-    existing = ctx.output_dir / f"{bench_name(ctx.ranks or 1)}.json"
+    name = bench_name(ctx.ranks or 1, is_varlen_invocation(ctx.variants or ()))
+    existing = ctx.output_dir / f"{name}.json"
     if existing.exists() and (ctx.variants or not ctx.smoke):
         previous = json.loads(existing.read_text())
         if ctx.variants:

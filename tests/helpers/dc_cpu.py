@@ -10,7 +10,8 @@ import torch
 
 from helpers.dc_runner import run_alone
 
-__all__ = ["CPU_ENV", "STEPS", "run", "run_once", "ok", "assert_same_training"]
+__all__ = ["CPU_ENV", "STEPS", "run", "run_once", "ok", "assert_same_training",
+           "assert_same_on_every_rank"]
 
 # 7 steps: past DeepCompile's step-6 re-planning.
 STEPS = 7
@@ -54,3 +55,23 @@ def assert_same_training(ours: Dict[str, Any], ref: Dict[str, Any], rtol: float,
         worst = max(worst, float((a - b).abs().max()))
     loss_diff = float((torch.tensor(ours["losses"]) - torch.tensor(ref["losses"])).abs().max())
     return loss_diff, worst
+
+
+def assert_same_on_every_rank(ours: Dict[str, Any], ref: Dict[str, Any], rtol: float,
+                              atol: float, steps: int = STEPS) -> Tuple[float, float]:
+    """A multi-rank run trained as its reference of the same ranks: each rank's losses (each
+    trained on batches of its own) and params after training equal the same rank's of
+    ``ref`` (fp32); the ranks' losses differ (else a reduction that skipped its collective
+    would pass) and their params agree. Returns the largest differences over the ranks."""
+    ranks, ref_ranks = [ours, *ours["other_ranks"]], [ref, *ref["other_ranks"]]
+    assert len(ranks) == len(ref_ranks) > 1, (len(ranks), len(ref_ranks))
+    assert [r["rank"] for r in ranks] == [r["rank"] for r in ref_ranks] == list(range(len(ranks)))
+    worst = (0.0, 0.0)
+    for rank, (mine, theirs) in enumerate(zip(ranks, ref_ranks)):
+        assert "error" not in mine, f"rank {rank}: {mine['error']}"
+        diffs = assert_same_training(mine, theirs, rtol=rtol, atol=atol, steps=steps)
+        worst = (max(worst[0], diffs[0]), max(worst[1], diffs[1]))
+    assert len({tuple(r["losses"]) for r in ranks}) == len(ranks), "ranks trained on the same data"
+    for r in ranks[1:]:
+        assert r["params"] == ours["params"], f"rank {r['rank']}'s params differ from rank 0's"
+    return worst

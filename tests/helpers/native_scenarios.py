@@ -19,7 +19,8 @@ import torch
 
 from helpers.native_rt import compile_config, padded_full, per_rank
 
-__all__ = ["gloo_results", "Z3_PARAMS", "Z12_NUMELS", "GARBAGE"]
+__all__ = ["gloo_results", "scenario", "Z3_PARAMS", "Z12_NUMELS", "GARBAGE", "KEPT",
+           "REDUCE_GROUPS"]
 
 GRAPH = 0
 GARBAGE = 555.0  # written where a correct implementation must write zeros or real values
@@ -183,6 +184,115 @@ def _z3(rank: int, ws: int) -> Dict[str, Any]:
     return out
 
 
+def _dist_reduce_scatter_mean(g: torch.Tensor) -> torch.Tensor:
+    """This rank's chunk of the mean over ranks of ``g`` (zero-padded to the ZeRO-3 layout),
+    by torch.distributed's reduce-scatter (``reduce_scatter_single``, torch 2.13's name for
+    ``reduce_scatter_tensor``, where torch has it)."""
+    import torch.distributed as dist
+
+    ws = dist.get_world_size()
+    full = padded_full(g, ws)
+    out = torch.empty(full.numel() // ws, dtype=full.dtype)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    reduce_scatter(out, full)
+    return out / ws
+
+
+# ds_ids (of Z3_PARAMS) gather_persistent hands out together: trainable and frozen, odd sizes,
+# one larger than the bucket; 14 and 15 are registered persistent, the others set so.
+KEPT = [17, 13, 10, 15, 14, 11]
+# reduce_grads groups of one backward: 10 twice in the first (its gradients add up); 17 fills
+# more than a bucket, in the middle of the second.
+REDUCE_GROUPS = [[10, 11, 12, 10], [16, 17, 15]]
+
+
+def _grouped(rank: int, ws: int) -> Dict[str, Any]:
+    """ds_z3native's own ops, each rank its own data: gather_persistent (before and after an
+    optimizer step) next to torch.distributed's all_gather_into_tensor of the same shards,
+    reduce_grads over two micro-steps next to its reduce-scatter of the same gradients,
+    and the gathered state each param is left in by its last release_param."""
+    import torch.distributed as dist
+
+    import ds_z3native
+    from ds_z3native.compat.deepcompile_persistent import gather_persistent_op
+    from ds_z3native.compat.deepcompile_reduce_group import reduce_grads_op
+
+    gather_persistent, reduce_grads = gather_persistent_op(), reduce_grads_op()
+    m = ds_z3native.native()
+    m.init(dist.new_group(backend="gloo"), compile_config(), BUCKET)
+    shards, bufs, fulls = {}, {}, {}
+    for ds_id, (shape, frozen, persistent) in Z3_PARAMS.items():
+        fulls[ds_id] = _full(ds_id, shape) * (ds_id % 5 + 1)
+        shards[ds_id] = _shard_with_garbage_padding(fulls[ds_id], rank, ws)
+        buf = torch.Tensor() if frozen else torch.full((per_rank(fulls[ds_id].numel(), ws),),
+                                                       GARBAGE)
+        m.register_z3_param(ds_id, list(shape), shards[ds_id], buf, persistent, torch.float32)
+        if not frozen:
+            bufs[ds_id] = buf
+    m.register_graph_z3(GRAPH, list(Z3_PARAMS))
+    ph = torch.empty(0)
+    out: Dict[str, Any] = {}
+
+    # Each param gathered, used and released by its last user: what stays gathered.
+    released = {}
+    for ds_id, (shape, frozen, persistent) in Z3_PARAMS.items():
+        got = torch.ops.dc.wait_allgather(torch.ops.dc.allgather_param(ph, GRAPH, ds_id),
+                                          GRAPH, ds_id)
+        torch.ops.dc.release_param(got, GRAPH, ds_id, 1)
+        released[ds_id] = (m.param_state(ds_id)["gathered"], frozen, persistent)
+    out["released"] = released
+
+    def gathered(tag: str, dtypes: List[Any]) -> None:
+        m.reset_comm_stats()
+        got = gather_persistent(GRAPH, [ph] * len(KEPT), KEPT, dtypes)
+        calls = m.comm_stats()["allgather_calls"]
+        rows = {}
+        for i, ds_id in enumerate(KEPT):
+            dtype = dtypes[i] if dtypes and dtypes[i] is not None else torch.float32
+            ref = _dist_gather(shards[ds_id].to(dtype), fulls[ds_id].numel(),
+                               Z3_PARAMS[ds_id][0])
+            rows[ds_id] = (got[i].clone(), ref, fulls[ds_id].to(dtype))
+        out[tag] = {"values": rows, "allgather_calls": calls}
+
+    for ds_id in KEPT:
+        m.set_persistent(ds_id)
+    gathered("kept", [])
+    gathered("kept_again", [])
+    # An optimizer step: the backward that updates ends, then the shards change in place
+    # (padding included: it must stay out of the gathered values).
+    m.start_backward(True)
+    torch.ops.dc.end_backward([None], GRAPH, False)
+    for ds_id, (shape, frozen, persistent) in Z3_PARAMS.items():
+        if not frozen:
+            shards[ds_id].mul_(-2.0).add_(0.25)
+            fulls[ds_id] = fulls[ds_id] * -2.0 + 0.25
+    gathered("after_step", [])
+    gathered("after_step_bf16", [torch.bfloat16 if i % 2 else None for i in range(len(KEPT))])
+    out["n_trainable_kept"] = sum(1 for i in KEPT if not Z3_PARAMS[i][1])
+
+    # Two micro-steps of one accumulation window, every gradient through reduce_grads; the
+    # expected buffers through torch.distributed's reduce-scatter of the same gradients.
+    trainable = sorted(bufs)
+    expected = {i: torch.zeros(per_rank(fulls[i].numel(), ws)) for i in trainable}
+    m.reset_comm_stats()
+    for update, tag in ((False, 31), (True, 32)):
+        m.start_backward(update)
+        deps = []
+        for g_index, group in enumerate(REDUCE_GROUPS):
+            grads = []
+            for k, ds_id in enumerate(group):
+                g = _grad(tag + 10 * k + 100 * g_index, ds_id, Z3_PARAMS[ds_id][0], rank)
+                expected[ds_id] = expected[ds_id] + _dist_reduce_scatter_mean(g)
+                grads.append(g)
+            deps.append(reduce_grads(GRAPH, grads, group))
+        torch.ops.ds_z3native.end_backward(deps, GRAPH, True)
+    out["reduced"] = {i: (bufs[i].clone(), expected[i]) for i in trainable
+                      if any(i in g for g in REDUCE_GROUPS)}
+    out["reduce_stats"] = m.comm_stats()
+    m.cleanup()
+    return out
+
+
 def _z12_layout(ws: int) -> List[List[Tuple[int, int, int]]]:
     """DeepSpeed's ZeRO-1/2 flat partitioning of Z12_NUMELS: per rank, (param index, offset in
     the param, count) of every param overlapping the rank's partition."""
@@ -297,7 +407,7 @@ def _contract(rank: int, ws: int) -> Dict[str, Any]:
     return out
 
 
-SCENARIOS = {"z3": _z3, "z12": _z12, "contract": _contract}
+SCENARIOS = {"z3": _z3, "z12": _z12, "contract": _contract, "grouped": _grouped}
 
 
 def _all_scenarios(rank: int, ws: int) -> Dict[str, Any]:

@@ -11,15 +11,16 @@ param kept persistent. Where memory matters more than overlap, a budget bounds t
 * :data:`DEEPCOMPILE_PREFETCH_BUDGET` (every release whose ``prefetch`` pass has
   ``MAX_BUFFERED_SIZE``): while ``schedule_prefetch`` runs, ``MAX_BUFFERED_SIZE`` is the smaller
   of DeepSpeed's value and the budget (``ds_z3native.set_prefetch_budget``, default
-  ``DS_Z3NATIVE_PREFETCH_BUDGET_MB``: :mod:`ds_z3native.settings`), read at each call; without a
-  budget the pass runs untouched. A budget of 0 leaves each gather just before its first use.
+  ``DS_Z3NATIVE_PREFETCH_BUDGET_MB``: :mod:`ds_z3native.settings`) less the graph's largest
+  gather, read at each call: the pass adds a gather while its window is within that value, so
+  the window ends within the budget. Without a budget the pass runs untouched. A budget of 0 leaves each gather just before its first use.
   The value is restored after each call, so the module constant is never left changed.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from packaging.version import Version
 
@@ -41,19 +42,41 @@ def prefetch_budget_bytes() -> Optional[int]:
     return settings.current().prefetch_budget_bytes
 
 
+def _largest_gather(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> int:
+    """The largest all-gather (bytes, as profiled) of the graph ``schedule_prefetch`` is asked to
+    plan; 0 where its arguments do not say (the pass then skips itself too)."""
+    import inspect
+
+    import torch
+    from deepspeed.compile.passes import prefetch
+
+    try:
+        bound = inspect.signature(prefetch.schedule_prefetch).bind(*args, **kwargs)
+        gm, graph_id = bound.arguments["gm"], bound.arguments["graph_id"]
+        profile = bound.arguments["profiling_results"][graph_id]
+        sizes = dict(profile.bwd_tensor_sizes if bound.arguments["bwd"] else profile.fwd_tensor_sizes)
+    except (TypeError, KeyError, AttributeError) as e:
+        log.debug("schedule_prefetch's graph and profile not readable: %s", e)
+        return 0
+    return int(max((sizes.get(n.name, 0) for n in gm.graph.nodes
+                    if n.target == torch.ops.dc.allgather_param.default), default=0))
+
+
 def _within_budget(schedule_prefetch: Callable, module: Any,
                    budget_bytes: Callable[[], Optional[int]]) -> Callable:
-    """``schedule_prefetch`` run with ``module.MAX_BUFFERED_SIZE`` at most ``budget_bytes()``
-    (asked at each call: a setter may change it after install)."""
+    """``schedule_prefetch`` run so that it keeps at most ``budget_bytes()`` (asked at each call:
+    a setter may change it after install) of all-gathers in flight. The pass adds a gather to its
+    window while the window is within ``module.MAX_BUFFERED_SIZE`` before it, so the window can
+    end one gather over that value: it is set to the budget less the graph's largest gather."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         budget = budget_bytes()
         if budget is None:
             return schedule_prefetch(*args, **kwargs)
         original = module.MAX_BUFFERED_SIZE
-        module.MAX_BUFFERED_SIZE = min(original, budget)
-        log.info("DeepCompile prefetch window capped at %d bytes (DeepSpeed's: %d)",
-                 module.MAX_BUFFERED_SIZE, original)
+        module.MAX_BUFFERED_SIZE = min(original, max(0, budget - _largest_gather(args, kwargs)))
+        log.info("DeepCompile prefetch window capped at %d bytes (budget %d, DeepSpeed's: %d)",
+                 module.MAX_BUFFERED_SIZE, budget, original)
         try:
             return schedule_prefetch(*args, **kwargs)
         finally:

@@ -12,9 +12,10 @@
 #
 # The pytest suites run on one pytest-xdist worker per core (at most 4; a test file stays on one
 # worker); the matrix runs as many releases at a time, those with slow tests first. The matrix
-# runs the subset's fast tests on every release and its slow ones (the eager-recompute minimal
-# reproductions, demo, DeepCompile's registration, DeepCompile on the CPU from 0.19.4) on one
-# release a day, chosen by the day of the year (each release once a week).
+# runs the subset's fast tests and those marked every_release (DeepCompile training a frozen
+# layer on the CPU past its re-plan, from 0.19.4) on every release, and its other slow ones (the
+# eager-recompute minimal reproductions, demo, DeepCompile's registration, the LoRA Llama under
+# DeepCompile) on one release a day, chosen by the day of the year (each release once a week).
 # DSZ_MATRIX_FULL="0.19.0 0.19.5" picks the releases that get the slow tests too ("all": every
 # one), DSZ_MATRIX=off skips the matrix.
 set -euo pipefail
@@ -172,7 +173,7 @@ if [ "${DSZ_MATRIX:-on}" != off ]; then
     if [ "$full" = " all " ] || [[ "$full" == *" $v "* ]]; then
       select="release_matrix and not gpu"
     else
-      select="release_matrix and not slow and not gpu"
+      select="release_matrix and (not slow or every_release) and not gpu"
     fi
     echo "== pytest -m '$select' (DeepSpeed $v from .cache/ds-$v)"
     rm -f ".cache/matrix-$v.rc"
@@ -184,7 +185,7 @@ if [ "${DSZ_MATRIX:-on}" != off ]; then
   for v in "${releases[@]}"; do
     if [ "$(cat ".cache/matrix-$v.rc" 2>/dev/null)" = 0 ]; then
       echo "   DeepSpeed $v: $(tail -1 ".cache/matrix-$v.log")"
-      summary+=("release matrix, DeepSpeed $v$([[ "$full" == *" $v "* || "$full" = " all " ]] && echo ' (slow tests too)' || echo ' (fast tests)'): $(tail -1 ".cache/matrix-$v.log")")
+      summary+=("release matrix, DeepSpeed $v$([[ "$full" == *" $v "* || "$full" = " all " ]] && echo ' (slow tests too)' || echo ' (fast tests and every_release)'): $(tail -1 ".cache/matrix-$v.log")")
     else
       cat ".cache/matrix-$v.log"
       failed+=("$v")
@@ -236,9 +237,10 @@ PY
      tests/test_native_hardening.py tests/test_native_lifetime.py tests/test_native_functions.py \
      tests/test_native_gloo.py tests/test_native_campaign.py tests/test_install.py tests/test_demo.py \
      tests/test_gathered_buffers.py tests/test_inductor_attention_outputs.py \
-     "tests/test_deepcompile_cpu.py::test_frozen_layer_run_eagerly_is_gathered_and_trains_like_eager") \
+     "tests/test_deepcompile_cpu.py::test_frozen_layer_run_eagerly_is_gathered_and_trains_like_eager" \
+     "tests/test_deepcompile_cpu_warm_start.py::test_params_kept_gathered_and_gradients_are_reached_by_one_call_per_group_and_train_the_same") \
      | tee .cache/phase-newest-torch.log
-  summary+=("newest torch ($newest), the native, install, demo and frozen-layer DeepCompile tests: $(tail -1 .cache/phase-newest-torch.log)")
+  summary+=("newest torch ($newest), the native, install, demo, frozen-layer DeepCompile and grouped-gather DeepCompile tests: $(tail -1 .cache/phase-newest-torch.log)")
   echo "   (newest torch: $(( $(date +%s) - t2 )) s)"
 else
   summary+=("newest torch: turned off (DSZ_NEWEST_TORCH=off)")

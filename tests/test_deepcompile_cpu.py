@@ -33,6 +33,7 @@ _EAGER_FROZEN_REF = ("--model", "eager-frozen", "--mode", "eager", "--native", "
 @pytest.mark.deepspeed
 @needs_cpu_deepcompile
 @pytest.mark.release_matrix
+@pytest.mark.every_release
 def test_frozen_layer_run_eagerly_is_gathered_and_trains_like_eager() -> None:
     # The frozen Linear runs outside Dynamo (torch._dynamo.disable): its weight must be gathered
     # for the forward and kept for the backward of the trainable layer before it.

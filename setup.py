@@ -278,6 +278,12 @@ setup(
                  "scipy>=1.7"],
         "bench": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12",
                   "matplotlib>=3.5", "scipy>=1.7"],
+        # examples/sft_lora.py: HF Trainer and accelerate, TRL's SFTTrainer (--trainer trl) on a
+        # datasets.Dataset, bitsandbytes for --qlora.
+        "examples": ["deepspeed>=0.19.0,<0.20", "transformers>=4.45", "peft>=0.12", "scipy>=1.7",
+                     "accelerate>=1.0", "trl>=0.20", "datasets>=3.0",
+                     "bitsandbytes>=0.50.2; platform_system == 'Linux' and platform_machine == "
+                     "'x86_64' and python_version >= '3.10'"],
     },
     entry_points={"console_scripts": ["ds-z3native=ds_z3native.cli:main"]},
     zip_safe=False,

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 from packaging.version import Version
@@ -81,10 +81,12 @@ def test_readme_demo_command_trains() -> None:
                      r"[0-9.]+ MiB", r.stderr), r.stderr[-2000:]
     assert re.search(r"^\s*step time\s+[0-9.]+ s median of steps 2-20 \([0-9.]+ s first\)$",
                      r.stdout, re.M), _show(r)
-    expected = ("checkpoint-recompute-hardening" if _ds_version() >= Version("0.19.3")
-                else "checkpoint-recompute-frozen")
-    assert re.search(rf"^\s*fix\s+ds_z3native\.install\(\):.*{expected}", r.stdout, re.M), \
-        _show(r)
+    # The fix row counts install()'s patches by group (the recompute fix among ZeRO-3's), as many
+    # as the start-up line (on stderr, above the bar) says.
+    total, groups = _fix_row_groups(r.stdout)
+    assert re.search(rf"fix: ds_z3native\.install\(\), {total} patches \(set-up", r.stderr), \
+        r.stderr[-2000:]
+    assert sum(groups.values()) == total and groups.get("ZeRO-3", 0) >= 1, _show(r)
 
 
 @pytest.mark.deepspeed
@@ -273,6 +275,57 @@ def test_a_rank_error_keeps_the_step_and_why_the_rank_sent() -> None:
     assert _error_of(died, {}, 600)["step"] is None
     timeout = RankError(None, "timeout", "Timeout", "ranks [0, 1] sent nothing for 600 s")
     assert _error_of(timeout, {}, 600)["message"] == "no progress from the ranks for 600 s"
+
+
+def _fix_row_groups(summary: str) -> Tuple[int, Dict[str, int]]:
+    """(patches, {group: patches}) of a summary's fix row."""
+    match = re.search(r"^\s*fix\s+ds_z3native\.install\(\), (\d+) patch(?:es)?: (.+); names in "
+                      r"--json$", summary, re.M)
+    assert match, summary
+    groups = dict((g, int(n)) for g, n in re.findall(r"([^,(]+?) \((\d+)\)(?:, |$)",
+                                                      match.group(2)))
+    return int(match.group(1)), groups
+
+
+def test_the_fix_row_counts_the_patches_by_what_they_fix() -> None:
+    """The summary's fix row: install()'s patches counted per group of the module that holds them
+    (every deepcompile_* module is DeepCompile's), the largest group first; the names stay in the
+    result's fix (what --json writes)."""
+    import importlib
+
+    from ds_z3native.compat.registry import PATCH_MODULES, patches_for
+    from ds_z3native.demo import format_summary
+
+    names = [p.name for p in patches_for(Version("0.19.8"))]
+    result = _result([1.0, 0.5], [], False)
+    result.fix = "ds_z3native.install(): " + ", ".join(names)
+    summary = format_summary(result)
+    total, groups = _fix_row_groups(summary)
+    assert total == len(names) and sum(groups.values()) == total, summary
+    in_deepcompile_modules = [p.name for m in PATCH_MODULES if m.split(".")[-1].startswith(
+        "deepcompile_") for p in importlib.import_module(m).PATCHES if p.name in names]
+    assert groups["DeepCompile"] == len(in_deepcompile_modules), groups
+    assert groups["HF Trainer"] == 3 and "other" not in groups, groups
+    assert list(groups.values()) == sorted(groups.values(), reverse=True), groups
+    assert max(len(line) for line in summary.splitlines()) < 200, summary
+    assert all(name in result.to_json()["fix"] for name in names)
+    # Not install()'s patches: shown as they are.
+    for fix in ("none (--without-fix)", "ds_z3native.install(): no patches"):
+        result.fix = fix
+        assert re.search(rf"^\s*fix\s+{re.escape(fix)}$", format_summary(result), re.M)
+    # A name no patch module holds is counted, as "other".
+    result.fix = "ds_z3native.install(): deepcompile-z3-declare-frozen, not-a-patch"
+    assert _fix_row_groups(format_summary(result)) == (2, {"DeepCompile": 1, "other": 1})
+
+
+def test_every_patch_module_has_a_fix_group() -> None:
+    """A new patch module gets a group of the summary's fix row (not its bare module name)."""
+    from ds_z3native.compat.registry import OPTIONAL_MODULES, PATCH_MODULES
+    from ds_z3native.demo import _FIX_GROUPS, _fix_group
+
+    groups = set(_FIX_GROUPS.values()) | {"DeepCompile"}
+    for module in PATCH_MODULES + OPTIONAL_MODULES:
+        assert _fix_group(module.rsplit(".", 1)[-1]) in groups, module
 
 
 def test_the_start_up_line_counts_the_patches_the_summary_names() -> None:

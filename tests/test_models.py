@@ -15,7 +15,7 @@ def _trainable(model):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_each_listed_family_trains_its_adapters_and_the_params_it_names(family: str) -> None:
+def test_each_listed_family_marks_its_adapters_and_the_params_it_names_trainable(family: str) -> None:
     model, counts = build_lora_model(TINY, family)
     base = model.get_base_model()
     assert base.config.model_type == family

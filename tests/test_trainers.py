@@ -5,7 +5,7 @@ checkpointing, through ``examples/sft_lora.py`` launched as the commands of docs
 Every run is compared with the same script at ZeRO stage 0 (the unsharded reference, same
 seeds and data): the losses the trainer logged, the evaluation losses and the LoRA adapter it
 saved. DeepCompile (``ds_z3_deepcompile.json`` + ``--torch-compile``: accelerate calls
-``engine.compile()``) runs on DeepSpeed's CPU accelerator from DeepSpeed 0.19.3; older releases'
+``engine.compile()``) runs on DeepSpeed's CPU accelerator from DeepSpeed 0.19.4; older releases'
 DeepCompile needs CUDA and is covered by tests/gpu/test_trainers_gpu.py.
 
 ``--data text`` runs train on the instruction pairs kept in ``examples/data/instructions.jsonl``

@@ -120,8 +120,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from .models import DEFAULT_SIZE, MODEL_SIZES
 
-    sizes = "; ".join(f"{s.name}: {s.layers} layers x {s.hidden}, {s.note}"
-                      for s in MODEL_SIZES.values())
+    sizes = " ".join(f"{s.name} ({s.layers} layers x {s.hidden}): {s.note}."
+                     for s in MODEL_SIZES.values())
     p = sub.add_parser(
         "demo", help="LoRA fine-tune of a small Llama under ZeRO-3 + activation checkpointing",
         description="Train a small Llama (random weights, no download) with PEFT LoRA under "
@@ -133,7 +133,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--ranks", type=int, default=None,
                    help="number of ranks (default: one per GPU with CUDA, else 2)")
     p.add_argument("--model-size", choices=list(MODEL_SIZES), default=DEFAULT_SIZE,
-                   help=f"model preset (default {DEFAULT_SIZE}): {sizes}")
+                   help=f"model preset (default {DEFAULT_SIZE}). {sizes}")
     p.add_argument("--deepcompile", action="store_true",
                    help="DeepSpeed DeepCompile (engine.compile()): GPUs, or CPU ranks from DeepSpeed 0.19.4")
     p.add_argument("--without-fix", action="store_true",

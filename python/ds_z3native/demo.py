@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 from packaging.version import InvalidVersion, Version
 
@@ -485,10 +485,74 @@ def _step_time(result: DemoResult) -> str:
 
 def _fix_shown(fix: str, patches: int) -> str:
     """The fix as the start-up line shows it: the number of patches ``install()`` applied (the
-    summary's ``fix`` row names them); ``fix`` itself where none were."""
+    summary's ``fix`` row counts them by group, ``--json`` names them); ``fix`` itself where none
+    were."""
     if not patches:
         return fix
     return f"ds_z3native.install(), {patches} patch{'' if patches == 1 else 'es'}"
+
+
+# What each patch module of ds_z3native.compat fixes, as the summary's fix row groups the patches
+# (any module named deepcompile_* is DeepCompile's); a module not listed is shown by its own name.
+_FIX_GROUP_PREFIXES = (("deepcompile_", "DeepCompile"),)
+_FIX_GROUPS = {
+    "checkpoint_recompute": "ZeRO-3", "zero3_walks": "ZeRO-3", "zero3_grad_norm": "ZeRO-3",
+    "zero3_overflow_order": "ZeRO-3",
+    "hf_trainer_loop": "HF Trainer",
+    "hf_graph_breaks": "transformers", "hf_moe_grouped_mm": "transformers",
+    "cpu_accelerator": "accelerators", "cuda_memory_counters": "accelerators",
+    "inductor_attention_outputs": "inductor",
+    "gloo_collectives": "gloo collectives",
+}
+_INSTALLED = "ds_z3native.install(): "
+
+
+def _fix_group(module: str) -> str:
+    """The summary's group of the patches of ``ds_z3native.compat`` module ``module`` (its last
+    dotted part)."""
+    for prefix, group in _FIX_GROUP_PREFIXES:
+        if module.startswith(prefix):
+            return group
+    return _FIX_GROUPS.get(module, module)
+
+
+def _patch_modules() -> Dict[str, str]:
+    """Each known patch's name -> the last part of the name of its module."""
+    import importlib
+    import importlib.util
+
+    from .compat.registry import OPTIONAL_MODULES, PATCH_MODULES
+
+    found: Dict[str, str] = {}
+    for name in PATCH_MODULES + OPTIONAL_MODULES:
+        if name in OPTIONAL_MODULES and importlib.util.find_spec(name) is None:
+            continue
+        for patch in importlib.import_module(name).PATCHES:
+            found[patch.name] = name.rsplit(".", 1)[-1]
+    return found
+
+
+def _fix_groups(patches: List[str]) -> List[Tuple[str, int]]:
+    """(group, number of patches) of the patch names ``patches``, the largest group first (ties
+    in the order the patches apply); a name no patch module holds counts as "other"."""
+    modules = _patch_modules()
+    counts: Dict[str, int] = {}
+    for name in patches:
+        group = _fix_group(modules[name]) if name in modules else "other"
+        counts[group] = counts.get(group, 0) + 1
+    order = list(counts)
+    return sorted(counts.items(), key=lambda kv: (-kv[1], order.index(kv[0])))
+
+
+def _fix_row(fix: str) -> str:
+    """The summary's fix row: install()'s patches counted by what they fix (the names are in
+    ``fix``, which ``--json`` writes); ``fix`` itself where install() was not called or applied
+    nothing."""
+    if not fix.startswith(_INSTALLED) or fix == _INSTALLED + "no patches":
+        return fix or "?"
+    names = fix[len(_INSTALLED):].split(", ")
+    groups = ", ".join(f"{group} ({n})" for group, n in _fix_groups(names))
+    return f"{_fix_shown(fix, len(names))}: {groups}; names in --json"
 
 
 def format_summary(result: DemoResult) -> str:
@@ -502,7 +566,7 @@ def format_summary(result: DemoResult) -> str:
                       f"{_fmt_count(result.params)} params, {_fmt_count(result.trainable)} "
                       "trainable (LoRA)" if result.params else
                       f"Llama '{result.options['model_size']}'"),
-            ("fix", result.fix or "?"),
+            ("fix", _fix_row(result.fix)),
             ("steps", f"{len(result.losses)} of {result.options['steps']}")]
     if result.losses:
         rows.append(("loss first -> last", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}"))

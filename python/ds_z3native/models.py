@@ -44,12 +44,12 @@ MODEL_SIZES: Dict[str, ModelSize] = {s.name: s for s in (
     ModelSize("tiny", hidden=128, intermediate=352, layers=2, heads=4, kv_heads=2, vocab=512,
               seq_len=32, batch=2, lora_rank=4, note="seconds on a CPU; used by the tests"),
     ModelSize("small", hidden=256, intermediate=704, layers=4, heads=4, kv_heads=2, vocab=2048,
-              seq_len=64, batch=2, lora_rank=8, note="the default: about a minute on 2 CPU cores"),
+              seq_len=64, batch=2, lora_rank=8, note="the default"),
     ModelSize("medium", hidden=768, intermediate=2048, layers=8, heads=12, kv_heads=4,
               vocab=8192, seq_len=256, batch=4, lora_rank=16,
               note="~65 M params; a GPU or patience"),
     ModelSize("1b", hidden=2048, intermediate=5632, layers=16, heads=32, kv_heads=8, vocab=32000,
-              seq_len=1024, batch=4, lora_rank=16, note="~0.85 B params, 16 layers x 2048; GPU"),
+              seq_len=1024, batch=4, lora_rank=16, note="~0.86 B params with LoRA; a GPU"),
 )}
 DEFAULT_SIZE = "small"
 

@@ -1,8 +1,9 @@
 """DeepCompile on DeepSpeed's CPU accelerator: a device its passes can parse.
 
-DeepSpeed >= 0.19.3 runs DeepCompile on its CPU accelerator (``DS_ACCELERATOR=cpu``; the
-profiler falls back to default estimates without CUDA events), which is how a training script is
-tried on a machine without a GPU, and how this project's CI drives HF Trainer with DeepCompile.
+DeepSpeed >= 0.19.4 runs DeepCompile on its CPU accelerator (``DS_ACCELERATOR=cpu``; the
+profiler falls back to default estimates without CUDA events; 0.19.3 compiles there too, but its
+eager-fallback getter breaks Dynamo's guards), which is how a training script is tried on a
+machine without a GPU, and how this project's CI drives HF Trainer with DeepCompile.
 Its passes build devices as ``torch.device(get_accelerator().current_device())``; the CPU
 accelerator answers ``os.environ["LOCAL_RANK"]``, a bare index string under every launcher
 (torchrun, accelerate, deepspeed), which ``torch.device`` refuses: ``Invalid device string: '0'``

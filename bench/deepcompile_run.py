@@ -30,7 +30,7 @@ call timed with the device synchronized around it (the result's ``grad_norm_ab``
 launcher environment (RANK=0, WORLD_SIZE=1, MASTER_ADDR, a free MASTER_PORT) unless already set.
 Without CUDA (or with
 ``DS_ACCELERATOR=cpu``) it runs on the CPU over gloo: DeepCompile itself runs there with
-ds_z3native's CPU build (DeepSpeed >= 0.19.3; its profiler falls back to default estimates).
+ds_z3native's CPU build (DeepSpeed >= 0.19.4; its profiler falls back to default estimates).
 The result holds the losses, the trainable params after training (and before: ``initial_params``;
 every param of the small models), the Dynamo graph-break count, whether ds_z3native was installed
 and, with it, what its DeepCompile patches did (hooks removed, eager-fallback gathers).
@@ -396,10 +396,11 @@ def _on_cpu() -> bool:
 def cpu_deepspeed() -> None:
     """DeepSpeed on the CPU accelerator without a JIT build of its shared-memory comm op.
     DeepCompile's passes also need a device string they can parse, which ``install()``'s
-    ``deepcompile-cpu-device`` patch gives them (DeepSpeed >= 0.19.3: its profiler then falls back
+    ``deepcompile-cpu-device`` patch gives them (from DeepSpeed 0.19.3 its profiler then falls back
     to default estimates; 0.19.0 - 0.19.2's needs CUDA events, and with host stand-ins it
     deadlocks in its own gloo all_reduce under the Python dispatcher, seen with torch 2.13, so
-    DeepCompile on the CPU starts at 0.19.3)."""
+    DeepCompile on the CPU starts at 0.19.4: on 0.19.3 DeepSpeed's own eager-fallback getter
+    gathers a frozen param between Dynamo's guard building and checking)."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed.ops
 

@@ -78,12 +78,12 @@ def _first_step_run(ctx: BenchContext) -> Dict[str, Any]:
 
 
 def _first_step_smoke(ctx: BenchContext) -> Dict[str, Any]:
-    """On the CPU: with DeepSpeed >= 0.19.3 our op runs DeepCompile there (gloo; DeepSpeed's own
+    """On the CPU: with DeepSpeed >= 0.19.4 our op runs DeepCompile there (gloo; DeepSpeed's own
     op builds only with CUDA, so its variant is not available); older DeepSpeed profiles with
     CUDA events only, and the runner then trains its model eagerly (ZeRO-0) to show it works."""
     ds = versions().get("deepspeed")
     out = ctx.work_dir / "first_step_smoke.json"
-    deepcompile = bool(ds) and Version(ds).release >= (0, 19, 3)
+    deepcompile = bool(ds) and Version(ds).release >= (0, 19, 4)
     args = ["--mode", "deepcompile", "--native", "ours"] if deepcompile else ["--mode", "eager"]
     cmd = Command([sys.executable, "bench/deepcompile_run.py", *args, "--steps", "2",
                    "--json", str(out)],
@@ -98,7 +98,7 @@ def _first_step_smoke(ctx: BenchContext) -> Dict[str, Any]:
         if v == "ours" and deepcompile:
             continue
         reason = ("DeepSpeed's own dc op builds only with CUDA" if v != "ours" else
-                  "DeepCompile on the CPU needs DeepSpeed >= 0.19.3")
+                  "DeepCompile on the CPU needs DeepSpeed >= 0.19.4")
         runs[f"{v}@{ds}"] = {"variant": v, "status": "not_available", "reason": reason}
     key = f"ours@{ds}" if deepcompile else f"eager-runner@{ds}"
     runs[key] = {"variant": key.split("@")[0], "status": "ok" if ok else "failed",

@@ -172,8 +172,8 @@ def _lora_smoke(ctx: BenchContext) -> Dict[str, Any]:
     script, variants = _lora_script()
     picked = ["ours", "none"]
     ds = versions().get("deepspeed")
-    # DeepCompile runs on the CPU from DeepSpeed 0.19.3 (its profiler falls back without CUDA).
-    if ds and Version(ds).release >= (0, 19, 3):
+    # DeepCompile runs on the CPU from DeepSpeed 0.19.4 (its profiler falls back without CUDA).
+    if ds and Version(ds).release >= (0, 19, 4):
         picked += ["dc-ckpt", "trainer-dc-ckpt"]
     cmds = []
     for v in picked:

@@ -937,13 +937,32 @@ _SUMMARIES: Dict[str, Callable[[Mapping[str, Any]], List[List[str]]]] = {
     "persistent_group": _summary_persistent_group, "compile_scaling": _summary_compile_scaling}
 
 
+def _one_row_per_claim(rows: List[List[str]]) -> List[List[str]]:
+    """Rows that make the same claim (the same benchmark column: one job measured on several
+    machines or days) reduced to the latest measurement (the measured column opens with its
+    date), in the place of the first; the others stay in docs/benchmarks.md's tables."""
+    latest: Dict[str, List[str]] = {}
+    for row in rows:
+        kept = latest.get(row[0])
+        if kept is None or row[4][:10] > kept[4][:10]:
+            latest[row[0]] = row
+    seen: set = set()
+    out = []
+    for row in rows:
+        if row[0] not in seen:
+            seen.add(row[0])
+            out.append(latest[row[0]])
+    return out
+
+
 def render_summary(results: Mapping[str, Mapping[str, Any]], tables: str = "docs/benchmarks.md"
                    ) -> str:
     """The README's summary (without the markers): a few headline rows, each ds_z3native's best
     variant of a benchmark against its baseline measured in the same run; ``tables`` is the link
     to the full tables."""
     names = [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER)
-    rows = [row for n in names for row in _SUMMARIES.get(_family(n), lambda r: [])(results[n])]
+    rows = _one_row_per_claim(
+        [row for n in names for row in _SUMMARIES.get(_family(n), lambda r: [])(results[n])])
     if not rows:
         return "No benchmark results yet: run `python -m bench all` on a GPU machine."
     link = f"[{tables}]({tables})"

@@ -1717,3 +1717,13 @@ def test_varlen_variant_smoke_on_cpu(tmp_path: Path) -> None:
     # Compiled at the first step and at the first other length, nowhere else.
     assert rec["compile_steps"] == [0, next(i for i, n in enumerate(lengths) if n != lengths[0])]
     assert rec["deepcompile_compiles"]["fwd"] >= rec["dynamo_graphs"]
+
+
+def test_the_readme_summary_keeps_one_row_per_claim_the_latest() -> None:
+    from bench.report import _one_row_per_claim
+
+    rows = [["step A", "1", "b", "r", "2026-12-01, 1 x H200"],
+            ["compile", "2", "b", "r", "2026-12-02, 1 x H200"],
+            ["step A", "3", "b", "r", "2026-12-06, 1 x H100"],
+            ["step A", "4", "b", "r", "2026-12-03, 1 x H100"]]
+    assert _one_row_per_claim(rows) == [rows[2], rows[1]]

@@ -25,18 +25,18 @@ def test_other_decoder_families_train_like_eager_zero3(family: str) -> None:
     # every compiled forward) and Qwen3-MoE (a mixture-of-experts block, a ZeRO-3 leaf module by
     # DeepSpeed's default, with its router trained in full: ZeRO-3's backward hook on it broke
     # the graph at every layer, and the trainable params then ran eagerly).
-    # 4 steps, an evaluation and a generation (engine.module.generate, outside the engine's
-    # forward) after steps 2 and 4: the training and the evaluation graphs, and eager decoding
-    # (DeepCompile's re-plan, at step 6, is the Llama tests' business).
+    # 7 steps, past DeepCompile's re-plan at step 6 (the training and evaluation graphs compiled
+    # again with the profiles' schedule), an evaluation and a generation (engine.module.generate,
+    # outside the engine's forward) after steps 2, 4 and 6: eager decoding between them.
     common = ("--model", "llama", "--family", family, "--size", "tiny",
               "--checkpointing", "non-reentrant", "--eval-every", "2", "--generate-every", "2")
-    ours = ok(run(*common, steps=4), steps=4)
+    ours = ok(run(*common, steps=7), steps=7)
     ref = ok(run(*common, "--mode", "eager", "--eager-stage", "3", "--native", "deepspeed",
-                 steps=4), steps=4)
-    assert_same_training(ours, ref, rtol=1e-4, atol=1e-5, steps=4)
-    assert len(ours["eval_losses"]) == 2
-    assert len(ours["generated"]) == 2 and ours["generated"] == ref["generated"]
-    assert ours["eager_gather"]["generations"] == 2
+                 steps=7), steps=7)
+    assert_same_training(ours, ref, rtol=1e-4, atol=1e-5, steps=7)
+    assert len(ours["eval_losses"]) == 3
+    assert len(ours["generated"]) == 3 and ours["generated"] == ref["generated"]
+    assert ours["eager_gather"]["generations"] == 3
     assert ours["eager_gather"]["held_after_training"] == []
     torch.testing.assert_close(torch.tensor(ours["eval_losses"]), torch.tensor(ref["eval_losses"]),
                                rtol=1e-4, atol=1e-5)

@@ -640,37 +640,11 @@ def run(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     result["cudagraphs"] = {k: int(v) for k, v in sorted(counters["inductor"].items())
                             if k.startswith("cudagraph")}
     if args.native == "ours":
+        import ds_z3native
         from ds_z3native.compat.deepcompile_eager import eager_gather_of
-        from ds_z3native.compat.deepcompile_graph_ids import cache_bypasses
 
-        result["compile_cache_bypasses"] = [list(b) for b in cache_bypasses()]
-        from ds_z3native.compat.deepcompile_profile_store import store_stats
-
-        result["profile_store"] = store_stats()
-        from ds_z3native.compat.deepcompile_profiling import pass_gc_stats
-
-        result["pass_gc"] = pass_gc_stats()
-        from ds_z3native.compat.deepcompile_leaf_modules import leaf_module_hooks_removed
-
-        result["leaf_module_hooks"] = leaf_module_hooks_removed()
-        from ds_z3native.compat.deepcompile_persistent import group_stats
-
-        result["persistent_group"] = group_stats()
-        from ds_z3native.compat.deepcompile_warm_start import warm_start_stats
-
-        result["warm_start"] = warm_start_stats()
-        from ds_z3native.compat.deepcompile_regroup import regroup_stats
-
-        result["single_cycle_regroup"] = regroup_stats()
-        from ds_z3native.compat.deepcompile_reduce_group import reduce_group_stats
-
-        result["reduce_group"] = reduce_group_stats()
-        from ds_z3native.compat.deepcompile_inductor_calls import inductor_calls_stats
-
-        result["inductor_calls"] = inductor_calls_stats()
-        from ds_z3native.compat.zero3_grad_norm import flat_norm_counts
-
-        result["flat_grad_norm"] = flat_norm_counts()
+        # Every patch's counters (ds_z3native.run_state), each under its part's name.
+        result.update(ds_z3native.stats())
 
         result["gathered_at_end"] = gathered_at_end(engine) if deepcompile else None
 

@@ -1189,43 +1189,25 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             if "cache" in k} or None
         if variant in OURS_DC:
             import ds_z3native
-            from ds_z3native.compat.deepcompile_graph_ids import cache_bypasses
 
-            # Graphs inductor compiled without its FX-graph cache, with inductor's reason.
-            record["compile_cache_bypasses"] = [list(b) for b in cache_bypasses()]
-            from ds_z3native.compat.deepcompile_profile_store import store_stats
-
-            # Profiles kept for a later run (dc) and replayed from it (dc-warm).
-            record["profile_store"] = store_stats()
-            from ds_z3native.compat.deepcompile_persistent import group_stats
-
-            # Re-plans whose kept-gathered params were chosen early and grouped.
-            record["persistent_group"] = group_stats()
-            from ds_z3native.compat.deepcompile_regroup import regroup_stats
-
-            # A single cycle's graphs compiled before its choice, compiled again grouped.
-            record["single_cycle_regroup"] = regroup_stats()
-            from ds_z3native.compat.deepcompile_reduce_group import reduce_group_stats
-
-            # Backward graphs whose gradients reach the reduction in groups.
-            record["reduce_group"] = reduce_group_stats()
-            from ds_z3native.compat.deepcompile_inductor_calls import inductor_calls_stats
-
-            # end_backward calls retyped, attention calls taken out of their rng-state wrapper.
-            record["inductor_calls"] = inductor_calls_stats()
-            from ds_z3native.compat.deepcompile_warm_start import warm_start_stats
-
-            # A run that compiled the re-plan's graphs at step 0 from the store (dc-warm).
-            record["warm_start"] = warm_start_stats()
+            # What the patches did (ds_z3native.run_state): graphs compiled without inductor's
+            # FX-graph cache and why; profiles kept (dc) and replayed (dc-warm); re-plans whose
+            # kept-gathered params were chosen early and grouped; a single cycle's graphs compiled
+            # again grouped; gradients reaching the reduction in groups; end_backward calls
+            # retyped and attention calls unwrapped; a run started from the store (dc-warm).
+            counters = ds_z3native.stats()
+            for part in ("compile_cache_bypasses", "profile_store", "persistent_group",
+                         "single_cycle_regroup", "reduce_group", "inductor_calls", "warm_start"):
+                record[part] = counters[part]
             record["persistence"] = dict(ds_z3native.native().persistence_info())
             # Reduce-bucket memory at its most (bytes): sized to the trainable gradients.
             record["reduce_bucket_bytes"] = int(
                 ds_z3native.native().comm_stats().get("reduce_bucket_bytes", -1))
     if record["fix"] == "ds_z3native.install()":
-        from ds_z3native.compat.zero3_grad_norm import flat_norm_counts
+        import ds_z3native
 
         # The optimizer steps' gradient norms: over one span of the buffer, or DeepSpeed's loop.
-        record["flat_grad_norm"] = flat_norm_counts()
+        record["flat_grad_norm"] = ds_z3native.stats()["flat_grad_norm"]
     record["step_ms"] = {"median": statistics.median(times), "min": min(times),
                          "max": max(times), "n": len(times), "all": times}
     tokens = args.micro_batch * args.seq * world_size

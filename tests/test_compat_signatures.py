@@ -212,6 +212,12 @@ USES: Dict[str, List[Tuple[str, str, Optional[Tuple[str, ...]]]]] = {
     "zero3-overflow-after-reductions": [
         ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.has_overflow",
          ("self", "partition_gradients"))],
+    # The wrapper binds __init__'s arguments to its signature and reads config_class (the
+    # parsed config's _param_dict: tests/test_settings_config.py) and config by name.
+    "engine-config-section": [
+        (_ENGINE, "DeepSpeedEngine.__init__",
+         ("self", "args", "model", "optimizer", "model_parameters", "training_data",
+          "lr_scheduler", "mpu", "dist_init_required", "collate_fn", "config", "config_class"))],
     "checkpoint-recompute-frozen": _RECOMPUTE,
     "checkpoint-recompute-hardening": _RECOMPUTE,
 }

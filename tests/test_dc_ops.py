@@ -22,7 +22,8 @@ import ds_z3native
 from ds_z3native import dc_ops
 from ds_z3native.compat.contract import NATIVE_SCHEMAS, read_deepspeed_interface
 from ds_z3native.compat.deepcompile_graph_ids import OWN_GRAPH_ID_ARG
-from ds_z3native.dc_ops import DC_OPS, Argument, OpListError, graph_id_position, load_op_list
+from ds_z3native.dc_ops import (ALL_OPS, DC_OPS, OWN_OPS, Argument, OpListError,
+                                graph_id_position, load_op_list)
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_LIST = ROOT / "python" / "ds_z3native" / "dc_ops.def"
@@ -45,7 +46,7 @@ def test_the_package_reads_this_trees_list() -> None:
     # The list the package reads (installed or in place) is the file csrc/ includes.
     installed = importlib.resources.files("ds_z3native").joinpath(dc_ops.OP_LIST_NAME)
     assert installed.read_text() == SOURCE_LIST.read_text()
-    assert load_op_list(SOURCE_LIST) == DC_OPS
+    assert load_op_list(SOURCE_LIST) == ALL_OPS == DC_OPS + OWN_OPS
     assert NATIVE_SCHEMAS == tuple(op.schema for op in DC_OPS)
 
 
@@ -63,9 +64,9 @@ def test_reads_names_schemas_meta_kernels_and_arguments(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("line, problem", [
-    ('DC_OP(foo, "foo(Tensor a) -> Tensor")', 'not a DC_OP(name, "schema", meta_kernel) line'),
-    (GOOD + "  // trailing comment", 'not a DC_OP(name, "schema", meta_kernel) line'),
-    ('OP(foo, "foo(Tensor a) -> Tensor", foo_meta)', 'not a DC_OP(name, "schema", meta_kernel)'),
+    ('DC_OP(foo, "foo(Tensor a) -> Tensor")', 'not a DC_OP(name, "schema", meta_kernel) or DSZ_OP'),
+    (GOOD + "  // trailing comment", 'not a DC_OP(name, "schema", meta_kernel) or DSZ_OP'),
+    ('OP(foo, "foo(Tensor a) -> Tensor", foo_meta)', 'not a DC_OP(name, "schema", meta_kernel) or DSZ_OP'),
     ('DC_OP(foo, "foo(str s = \\"x\\") -> ()", foo_meta)', "a backslash in the schema"),
     ("/* " + GOOD + " */", "block comments are not read"),
     ('DC_OP(foo bar, "foo(Tensor a) -> Tensor", foo_meta)', "the op name 'foo bar' is not an"),
@@ -77,6 +78,11 @@ def test_reads_names_schemas_meta_kernels_and_arguments(tmp_path: Path) -> None:
     ('DC_OP(foo, "foo(Tensor) -> Tensor", foo_meta)', "schema of foo: cannot read the argument"),
     ('DC_OP(foo, "foo(Tensor[ a) -> Tensor", foo_meta)', "schema of foo: unbalanced"),
     (GOOD, "foo is listed again (first on line 2)"),
+    ('DSZ_OP(foo, "foo(Tensor a) -> Tensor", foo_meta)', 'not a DC_OP(name, "schema", '
+                                                         'meta_kernel) or DSZ_OP'),
+    ('DSZ_OP(foo, "foo(Tensor a) -> Tensor", 1k, foo_meta)', "the kernel '1k' is not an"),
+    ('DSZ_OP(foo, "bar(Tensor a) -> Tensor", foo, foo_meta)',
+     "the schema defines 'bar' but the line names 'foo'"),
 ])
 def test_a_malformed_line_is_refused_naming_file_line_and_problem(
         tmp_path: Path, line: str, problem: str) -> None:
@@ -89,6 +95,43 @@ def test_a_malformed_line_is_refused_naming_file_line_and_problem(
     assert problem in message, message
     assert line.strip() in message  # the offending text is quoted
     assert (caught.value.line, caught.value.source) == (3, str(path))
+
+
+def test_our_own_ops_are_lines_of_the_same_list(tmp_path: Path) -> None:
+    """A DSZ_OP line is an op of library ds_z3native with its kernel; it may share a dc op's name
+    (end_backward) but not another DSZ_OP's; its graph id is found as for a dc op."""
+    path = tmp_path / "ops.def"
+    own = 'DSZ_OP(foo, "foo(Tensor[] xs, int graph_id) -> ()", foo_kernel, foo_meta)'
+    path.write_text(GOOD + "\n" + own + "\n")
+    dc, ours = load_op_list(path)
+    assert (dc.library, dc.kernel, dc.qualified_name) == ("dc", None, "dc::foo")
+    assert (ours.library, ours.kernel, ours.meta) == ("ds_z3native", "foo_kernel", "foo_meta")
+    assert ours.qualified_name == "ds_z3native::foo" and ours.graph_id_arg == 1
+    path.write_text(GOOD + "\n" + own + "\n" + own + "\n")
+    with pytest.raises(OpListError, match=r":3: ds_z3native::foo is listed again \(first on line "
+                                          r"2\)"):
+        load_op_list(path)
+    path.write_text(own + "\n")
+    with pytest.raises(OpListError, match="lists no op"):
+        load_op_list(path)
+
+
+def test_the_extension_registers_our_own_ops_from_the_list() -> None:
+    """ds_z3native::'s ops: exactly the list's DSZ_OP lines (with Python-defined ones of other
+    modules left aside), each schema as written there, a kernel for every device and a Meta
+    kernel; the graph-id positions DeepCompile's graph-id patch rewrites are the list's."""
+    ds_z3native.native()
+    listed = {op.name: op for op in OWN_OPS}
+    assert set(listed) >= {"gather_persistent", "reduce_grads", "end_backward"}
+    for name, op in listed.items():
+        registered = getattr(torch.ops.ds_z3native, name).default._schema
+        assert str(registered) == str(torch._C.parse_schema("ds_z3native::" + op.schema)), name
+        dump = torch._C._dispatch_dump(op.qualified_name)
+        assert re.search(r"registered at .*csrc/ops/group_ops\.cpp", dump), (name, dump)
+        for key in ("CompositeExplicitAutograd", "Meta"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(op.qualified_name, key), \
+                (name, key)
+    assert OWN_GRAPH_ID_ARG == {"gather_persistent": 0, "reduce_grads": 0, "end_backward": 1}
 
 
 def test_an_empty_or_missing_list_is_refused(tmp_path: Path) -> None:
@@ -193,8 +236,8 @@ def _native_ops() -> Dict[str, "torch._ops.OpOverload"]:
     """Every op ``_C`` defines, dc::* and ds_z3native::*, by qualified name."""
     ds_z3native.native()
     ops = {f"dc::{op.name}": getattr(torch.ops.dc, op.name).default for op in DC_OPS}
-    for name in OWN_GRAPH_ID_ARG:  # ds_z3native::'s ops of _C
-        ops[f"ds_z3native::{name}"] = getattr(torch.ops.ds_z3native, name).default
+    for op in OWN_OPS:  # ds_z3native::'s ops of _C
+        ops[op.qualified_name] = getattr(torch.ops.ds_z3native, op.name).default
     return ops
 
 

@@ -8,6 +8,7 @@ labels): a result names its date, command, hardware and software instead.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 import subprocess
@@ -295,6 +296,32 @@ def test_a_duration_is_stated_once_in_its_page(fact: str) -> None:
     home, pattern = FACT_HOMES[fact]
     found = _statements(pattern, {"ds-z3native demo --help": _demo_help()})
     assert list(found) == [home] and len(found[home]) == 1, (fact, found)
+
+
+SETTINGS_BLOCK = re.compile(
+    r"<!-- settings-table:begin\b[^\n]*-->\n(.*?)\n<!-- settings-table:end -->", re.S)
+REGENERATE_SETTINGS = ('python -c "from ds_z3native import settings; '
+                       'print(settings.markdown_table())"')
+
+
+def test_the_settings_table_is_the_settings_own() -> None:
+    """docs/usage.md's table of the settings is what ``settings.markdown_table()`` writes from
+    the fields of ``Settings`` (each field's doc, variable, values and default, stated there
+    once); every setting is in it, and the page's other variable table names none of them."""
+    from ds_z3native import settings
+
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    blocks = SETTINGS_BLOCK.findall(usage)
+    assert len(blocks) == 1, "docs/usage.md: one <!-- settings-table:begin --> ... end block"
+    assert blocks[0].strip() == settings.markdown_table(), (
+        "docs/usage.md's settings table differs from the settings' own; paste the output of\n"
+        f"  {REGENERATE_SETTINGS}\nbetween its settings-table markers")
+    outside = SETTINGS_BLOCK.sub(" ", usage)
+    for field in dataclasses.fields(settings.Settings):
+        variable = field.metadata["variable"]
+        assert f"`{field.name}`" in blocks[0] and f"`{variable}`" in blocks[0], field.name
+        rows = [ln for ln in outside.splitlines() if ln.startswith(f"| `{variable}")]
+        assert not rows, f"docs/usage.md states {variable} outside the generated table: {rows}"
 
 
 def test_every_patch_count_is_the_registrys_for_its_deepspeed() -> None:

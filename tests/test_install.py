@@ -277,7 +277,7 @@ def test_registry_tolerates_an_absent_optional_module_but_not_a_broken_one(
          "zero3-coalesced-gather-waits-on-every-handle", "hf-trainer-zero3-flos",
          "engine-train-unchanged-mode", "engine-zero-grad-param-list",
          "zero3-release-param-list", "deepcompile-z3-fallback-module-list",
-         "zero3-flat-grad-norm", "zero3-overflow-after-reductions"]
+         "zero3-flat-grad-norm", "zero3-overflow-after-reductions", "engine-config-section"]
     _write_module(tmp_path, "dsz_test_patches_broken", "raise ImportError('half-written module')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "OPTIONAL_MODULES", ("dsz_test_patches_broken",))

@@ -75,7 +75,8 @@ def test_a_malformed_grouping_switch_is_refused_naming_it(clean_settings) -> Non
 def test_the_budget_range_the_messages_and_docs_state_is_the_bound_checked() -> None:
     # The range the messages write is made from MAX_BUDGET_MIB: its upper end reads back as the
     # bound, the values on either side of that bound are accepted and refused, and the docs that
-    # state the range (the setters' docstrings, the error table) write the same text.
+    # state the range (Settings' doc of each budget, the settings table, the error table) write
+    # the same text.
     assert re.fullmatch(r"\[0, [0-9.e]+\)", BUDGET_RANGE), BUDGET_RANGE
     assert float(BUDGET_RANGE[len("[0, "):-1]) == MAX_BUDGET_MIB
     below = math.nextafter(MAX_BUDGET_MIB, 0)
@@ -83,8 +84,12 @@ def test_the_budget_range_the_messages_and_docs_state_is_the_bound_checked() -> 
     with pytest.raises(ValueError, match=re.escape(f"x: expected MiB in {BUDGET_RANGE} or None")):
         settings.check_budget_mib(MAX_BUDGET_MIB, "x")
     errors = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
-    for where, text in [("set_persistence_budget", ds_z3native.set_persistence_budget.__doc__),
-                        ("set_prefetch_budget", ds_z3native.set_prefetch_budget.__doc__),
+    fields = ("persistence_budget_mib", "prefetch_budget_mib")
+    for where, text in [*[(f, Settings.__doc__.split(f"\n{f} = ")[1].split("\n\n")[0])
+                          for f in fields],
+                        *[(f"table: {f}", next(row for row in settings.markdown_table()
+                                               .splitlines() if row.startswith(f"| `{f}`")))
+                          for f in fields],
                         ("docs/errors.md", errors)]:
         assert f"MiB in {BUDGET_RANGE}" in " ".join((text or "").split()), where
 

@@ -1,26 +1,22 @@
 // ds_z3native's own operators (library `ds_z3native`, beside DeepSpeed's `dc`): graph rewrites of
-// ds_z3native's DeepCompile patches emit them; DeepSpeed never calls them.
+// ds_z3native's DeepCompile patches emit them; DeepSpeed never calls them. Their schemas, kernels
+// and Meta kernels are the DSZ_OP lines of the op list (python/ds_z3native/dc_ops.def).
 //
-//   gather_persistent(int graph_id, Tensor[] params, int[] ids, ScalarType?[] dtypes) -> Tensor[]
+// gather_persistent(graph_id, params, ids, dtypes): the full tensors of the listed params, each
+// kept gathered by set_persistent, in one call: what allgather_param + wait_allgather give one
+// param at a time (release_param keeps a persistent param gathered). `params` are the graph's
+// param inputs, taken for the graph's data flow only, as allgather_param takes its first
+// argument. `dtypes` is empty (every param in its shard's dtype) or has one entry per id (None:
+// that param's shard dtype). A list, not an optional list: torch 2.11's inductor C++ wrapper
+// cannot pass an optional list to an op it calls through Python.
 //
-// The full tensors of the listed params, each kept gathered by set_persistent, in one call: what
-// allgather_param + wait_allgather give one param at a time (release_param keeps a persistent
-// param gathered). `params` are the graph's param inputs, taken for the graph's data flow only,
-// as allgather_param takes its first argument. `dtypes` is empty (every param in its shard's dtype)
-// or has one entry per id (None: that param's shard dtype). A list, not an optional list: torch
-// 2.11's inductor C++ wrapper cannot pass an optional list to an op it calls through Python.
+// reduce_grads(graph_id, grads, ids): reduce_grad for each (grads[i], ids[i]) in one call: every
+// gradient checked before any is queued, one lock, one wait of the copy stream for the compute
+// stream. Returns what reduce_grad returns (an empty tensor end_backward takes as a dependency).
 //
-//   reduce_grads(int graph_id, Tensor[] grads, int[] ids) -> Tensor
-//
-// reduce_grad for each (grads[i], ids[i]) in one call: every gradient checked before any is
-// queued, one lock, one wait of the copy stream for the compute stream. Returns what reduce_grad
-// returns (an empty tensor end_backward takes as a dependency).
-//
-//   end_backward(Tensor[] deps, int graph_id, bool release_reduce_buckets=True) -> ()
-//
-// dc::end_backward with its dependencies typed as what DeepCompile passes, the graph's
-// reduce_grad(s) outputs. DeepSpeed's schema types them `Any`, which inductor's C++ wrapper cannot
-// call; the kernel is the same.
+// end_backward(deps, graph_id, release_reduce_buckets): dc::end_backward with its dependencies
+// typed as what DeepCompile passes, the graph's reduce_grad(s) outputs. DeepSpeed's schema types
+// them `Any`, which inductor's C++ wrapper cannot call; the kernel is the same.
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -125,21 +121,21 @@ void end_backward_tensors_meta(at::TensorList deps, int64_t graph_id, bool)
 
 TORCH_LIBRARY(ds_z3native, m)
 {
-    m.def("gather_persistent(int graph_id, Tensor[] params, int[] ids, ScalarType?[] dtypes)"
-          " -> Tensor[]",
-          dsz::ops::hostStatefulOpTags());
-    m.def("reduce_grads(int graph_id, Tensor[] grads, int[] ids) -> Tensor",
-          dsz::ops::hostStatefulOpTags());
-    m.def("end_backward(Tensor[] deps, int graph_id, bool release_reduce_buckets=True) -> ()",
-          dsz::ops::hostStatefulOpTags());
+#define DC_OP(name, schema, meta)  // TORCH_LIBRARY(dc) in schema.cpp
+#define DSZ_OP(name, schema, kernel, meta) m.def(schema, dsz::ops::hostStatefulOpTags());
+#include "ds_z3native/dc_ops.def"
+#undef DC_OP
+#undef DSZ_OP
 }
 
 // One kernel for every device: the runtime's backend decides what runs where.
 TORCH_LIBRARY_IMPL(ds_z3native, CompositeExplicitAutograd, m)
 {
-    m.impl("gather_persistent", &dsz::ops::gather_persistent);
-    m.impl("reduce_grads", &dsz::ops::reduce_grads);
-    m.impl("end_backward", &dsz::ops::end_backward_tensors);
+#define DC_OP(name, schema, meta)
+#define DSZ_OP(name, schema, kernel, meta) m.impl(#name, &dsz::ops::kernel);
+#include "ds_z3native/dc_ops.def"
+#undef DC_OP
+#undef DSZ_OP
 }
 
 // An empty dependency list leaves the dispatcher no tensor to pick a key from.
@@ -150,7 +146,9 @@ TORCH_LIBRARY_IMPL(ds_z3native, Undefined, m)
 
 TORCH_LIBRARY_IMPL(ds_z3native, Meta, m)
 {
-    m.impl("end_backward", &dsz::ops::end_backward_tensors_meta);
-    m.impl("gather_persistent", &dsz::ops::gather_persistent_meta);
-    m.impl("reduce_grads", &dsz::ops::reduce_grads_meta);
+#define DC_OP(name, schema, meta)
+#define DSZ_OP(name, schema, kernel, meta) m.impl(#name, &dsz::ops::meta);
+#include "ds_z3native/dc_ops.def"
+#undef DC_OP
+#undef DSZ_OP
 }

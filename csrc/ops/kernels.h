@@ -41,7 +41,9 @@ bool plainMeta(const at::Tensor& t);
 // Meta kernels, one per line of the op list, each with its device kernel's type (the list names
 // it; ops shaped like their input share one).
 #define DC_OP(name, schema, meta) decltype(name) meta;
+#define DSZ_OP(name, schema, kernel, meta)  // ds_z3native::, group_ops.cpp
 #include "ds_z3native/dc_ops.def"
 #undef DC_OP
+#undef DSZ_OP
 
 }  // namespace dsz::ops

@@ -1,11 +1,12 @@
-"""The dc operators of ``ds_z3native._C``, read from the op list the package ships, ``dc_ops.def``.
+"""The operators of ``ds_z3native._C``, read from the op list the package ships, ``dc_ops.def``.
 
-``dc_ops.def`` is the one source of the op list. The C++ sources include it (an X-macro list:
-one ``DC_OP(name, "schema", meta_kernel)`` line per op) to define the schemas in
-``TORCH_LIBRARY(dc)``, to register the CPU / CUDA and Meta kernels and to declare the Meta
-kernels; this module reads the same file, so the Python side (the contract declared before
-``_C`` is loaded, the position of each op's graph id) cannot list other ops than ``_C``
-registers.
+``dc_ops.def`` is the one source of the op list: DeepSpeed's ``dc`` ops (``DC_OP(name, "schema",
+meta_kernel)`` lines, :data:`DC_OPS`) and ds_z3native's own ``ds_z3native`` ops (``DSZ_OP(name,
+"schema", kernel, meta_kernel)`` lines, :data:`OWN_OPS`). The C++ sources include it (an X-macro
+list) to define the schemas in ``TORCH_LIBRARY(dc)`` and ``TORCH_LIBRARY(ds_z3native)``, to
+register the kernels and to declare the Meta kernels; this module reads the same file, so the
+Python side (the contract declared before ``_C`` is loaded, the position of each op's graph id)
+cannot list other ops than ``_C`` registers.
 
 The reader is strict: a line that is not a ``DC_OP`` line, a ``//`` comment or blank, or a schema
 it cannot read, raises :class:`OpListError` naming the file, the line and the problem. Standard
@@ -23,14 +24,19 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 __all__ = ["OP_LIST_NAME", "Argument", "DcOp", "OpListError", "parse_schema", "parse_op_list",
-           "load_op_list", "graph_id_position", "DC_OPS"]
+           "load_op_list", "graph_id_position", "ALL_OPS", "DC_OPS", "OWN_OPS",
+           "DC_LIBRARY", "OWN_LIBRARY"]
 
 log = logging.getLogger(__name__)
 
 OP_LIST_NAME = "dc_ops.def"
 
+DC_LIBRARY = "dc"  # DeepSpeed's ops: DC_OP(name, "schema", meta_kernel)
+OWN_LIBRARY = "ds_z3native"  # ours: DSZ_OP(name, "schema", kernel, meta_kernel)
 _LINE = re.compile(r'DC_OP\(\s*(?P<name>[^,"]*?)\s*,\s*"(?P<schema>[^"\\]*)"\s*,'
                    r'\s*(?P<meta>[^,"()]*?)\s*\)')
+_OWN_LINE = re.compile(r'DSZ_OP\(\s*(?P<name>[^,"]*?)\s*,\s*"(?P<schema>[^"\\]*)"\s*,'
+                       r'\s*(?P<kernel>[^,"()]*?)\s*,\s*(?P<meta>[^,"()]*?)\s*\)')
 _ARGUMENT = re.compile(r"(?P<type>\S.*?)\s+(?P<name>\w+)(?:\s*=\s*(?P<default>\S.*))?")
 
 
@@ -57,14 +63,22 @@ class Argument:
 
 @dataclass(frozen=True)
 class DcOp:
-    """One line of the op list: the op's name, its schema text, its Meta kernel's C++ name, and
-    the schema's arguments (read from the text)."""
+    """One line of the op list: the op's name, its schema text, its Meta kernel's C++ name, the
+    schema's arguments (read from the text), its library (``dc``, or ``ds_z3native`` for a
+    ``DSZ_OP`` line) and, for ours, its kernel's C++ name."""
 
     name: str
     schema: str
     meta: str
     arguments: Tuple[Argument, ...]
     line: int
+    library: str = DC_LIBRARY
+    kernel: Optional[str] = None
+
+    @property
+    def qualified_name(self) -> str:
+        """``library::name``."""
+        return f"{self.library}::{self.name}"
 
     @property
     def graph_id_arg(self) -> Optional[int]:
@@ -148,15 +162,20 @@ def parse_op_list(text: str, source: str) -> Tuple[DcOp, ...]:
             continue
         if "/*" in line:
             raise OpListError(source, number, "block comments are not read: use // lines", raw)
-        match = _LINE.fullmatch(line)
+        match = _LINE.fullmatch(line) or _OWN_LINE.fullmatch(line)
         if match is None:
-            if line.startswith("DC_OP(") and "\\" in line:
+            if line.startswith(("DC_OP(", "DSZ_OP(")) and "\\" in line:
                 problem = "a backslash in the schema: write it as plain text"
             else:
-                problem = 'not a DC_OP(name, "schema", meta_kernel) line, a // comment or blank'
+                problem = ('not a DC_OP(name, "schema", meta_kernel) or DSZ_OP(name, "schema", '
+                           'kernel, meta_kernel) line, a // comment or blank')
             raise OpListError(source, number, problem, raw)
+        own = match.re is _OWN_LINE
+        library = OWN_LIBRARY if own else DC_LIBRARY
         name, schema, meta = match["name"], match["schema"], match["meta"]
-        for what, ident in (("op name", name), ("meta kernel", meta)):
+        kernel = match["kernel"] if own else None
+        idents = [("op name", name), ("meta kernel", meta)] + ([("kernel", kernel)] if own else [])
+        for what, ident in idents:
             if not ident.isidentifier():
                 raise OpListError(source, number, f"the {what} {ident!r} is not an identifier",
                                   raw)
@@ -167,12 +186,14 @@ def parse_op_list(text: str, source: str) -> Tuple[DcOp, ...]:
         if defined != name:
             raise OpListError(source, number,
                               f"the schema defines {defined!r} but the line names {name!r}", raw)
-        if name in first_line:
+        key = f"{library}::{name}"
+        if key in first_line:
+            shown = name if not own else key
             raise OpListError(source, number,
-                              f"{name} is listed again (first on line {first_line[name]})", raw)
-        first_line[name] = number
-        ops.append(DcOp(name, schema, meta, arguments, number))
-    if not ops:
+                              f"{shown} is listed again (first on line {first_line[key]})", raw)
+        first_line[key] = number
+        ops.append(DcOp(name, schema, meta, arguments, number, library, kernel))
+    if not any(op.library == DC_LIBRARY for op in ops):
         raise OpListError(source, None, "lists no op (no DC_OP line)")
     return tuple(ops)
 
@@ -192,4 +213,6 @@ def load_op_list(path: Optional[Union[str, os.PathLike]] = None) -> Tuple[DcOp, 
     return ops
 
 
-DC_OPS: Tuple[DcOp, ...] = load_op_list()
+ALL_OPS: Tuple[DcOp, ...] = load_op_list()
+DC_OPS: Tuple[DcOp, ...] = tuple(op for op in ALL_OPS if op.library == DC_LIBRARY)
+OWN_OPS: Tuple[DcOp, ...] = tuple(op for op in ALL_OPS if op.library == OWN_LIBRARY)

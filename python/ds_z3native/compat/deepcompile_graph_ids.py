@@ -64,7 +64,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple
 
 from packaging.version import Version
 
-from ..dc_ops import DC_OPS
+from ..dc_ops import DC_OPS, OWN_OPS
+from ..run_state import RUN_STATE
 from . import Patch, Undo
 from ._rebind import when_module_imported, wrap_function
 
@@ -89,8 +90,10 @@ INDUCTOR_MODULE = "deepspeed.compile.inductor"
 # (optimizer-state offload), whose ints are not graph ids: they are not listed.
 GRAPH_ID_ARG: Dict[str, int] = {op.name: op.graph_id_arg for op in DC_OPS
                                 if op.graph_id_arg is not None}
-# The same for ds_z3native's own ops (library ``ds_z3native``), which its graph rewrites emit.
-OWN_GRAPH_ID_ARG: Dict[str, int] = {"gather_persistent": 0, "reduce_grads": 0, "end_backward": 1}
+# The same for ds_z3native's own ops (library ``ds_z3native``, the list's DSZ_OP lines), which
+# its graph rewrites emit.
+OWN_GRAPH_ID_ARG: Dict[str, int] = {op.name: op.graph_id_arg for op in OWN_OPS
+                                    if op.graph_id_arg is not None}
 _GRAPH_ID_ARGS = {"dc": GRAPH_ID_ARG, "ds_z3native": OWN_GRAPH_ID_ARG}
 
 
@@ -228,6 +231,10 @@ class CacheBypassLog:
     def entries(self) -> List[Tuple[int, str]]:
         """(canonical graph id, inductor's reason) per bypassed compile, in compile order."""
         return list(self._entries)
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        self._entries.clear()
 
     @contextlib.contextmanager
     def watching(self, graph_id: int) -> Iterator[None]:
@@ -519,3 +526,11 @@ DEEPCOMPILE_SOURCELESS_SYMBOLS = Patch(
 
 PATCHES = [DEEPCOMPILE_CANONICAL_GRAPH_IDS, DEEPCOMPILE_CACHE_CHECKPOINT_RNG,
            DEEPCOMPILE_GENERATOR_CACHE_KEY, DEEPCOMPILE_SOURCELESS_SYMBOLS]
+
+
+def _clear_bypasses() -> None:
+    _BYPASSES.clear()
+
+
+RUN_STATE.register("compile_cache_bypasses", lambda: [list(b) for b in cache_bypasses()],
+                 _clear_bypasses)

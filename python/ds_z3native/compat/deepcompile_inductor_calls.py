@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from packaging.version import Version
 
+from ..run_state import RUN_STATE
 from . import Patch, Undo
 from ._fx import is_call
 from ._rebind import undo_all, when_module_imported, wrap_function
@@ -338,3 +339,11 @@ DEEPCOMPILE_ATTENTION_RNG = Patch(
 )
 
 PATCHES: List[Patch] = [DEEPCOMPILE_TYPED_END_BACKWARD, DEEPCOMPILE_ATTENTION_RNG]
+
+
+def _clear_stats() -> None:
+    for key in _stats:
+        _stats[key] = 0
+
+
+RUN_STATE.register("inductor_calls", inductor_calls_stats, _clear_stats)

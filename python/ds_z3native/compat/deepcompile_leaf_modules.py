@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List
 
 from packaging.version import Version
 
+from ..run_state import RUN_STATE
 from . import Patch, Undo
 from .deepcompile_frozen import wrap_init_z3
 
@@ -105,3 +106,10 @@ LEAF_MODULE_HOOKS = Patch(
 )
 
 PATCHES: List[Patch] = [LEAF_MODULE_HOOKS]
+
+
+def _clear_stats() -> None:
+    _STATS.engines = _STATS.hooks = 0
+
+
+RUN_STATE.register("leaf_module_hooks", leaf_module_hooks_removed, _clear_stats)

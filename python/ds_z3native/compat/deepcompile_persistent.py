@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from packaging.version import Version
 
 from .. import settings
+from ..run_state import RUN_STATE
 from . import Patch, Undo
 from ._fx import is_call
 from ._rebind import when_module_imported
@@ -272,3 +273,11 @@ DEEPCOMPILE_PERSISTENT_GROUP = Patch(
 )
 
 PATCHES: List[Patch] = [DEEPCOMPILE_PERSISTENT_GROUP]
+
+
+def _clear_stats() -> None:
+    for key in _stats:
+        _stats[key] = 0
+
+
+RUN_STATE.register("persistent_group", group_stats, _clear_stats)

@@ -48,6 +48,7 @@ import torch
 from packaging.version import Version
 
 from .. import settings
+from ..run_state import RUN_STATE
 from . import Patch, Undo
 from ._rebind import undo_all, when_module_imported, wrap_function, wrap_method
 
@@ -445,3 +446,6 @@ DEEPCOMPILE_PROFILE_STORE = Patch(
 )
 
 PATCHES = [DEEPCOMPILE_PROFILE_STORE]
+
+
+RUN_STATE.register("profile_store", store_stats, reset_store_stats)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 from packaging.version import Version
 
+from ..run_state import RUN_STATE
 from . import Patch, Undo
 from ._rebind import replace_attributes, when_module_imported, wrap_function
 
@@ -189,3 +190,10 @@ ONE_RANK_PROFILE = Patch(
 )
 
 PATCHES: List[Patch] = [PASS_GC, ONE_RANK_PROFILE]
+
+
+def _clear_stats() -> None:
+    _STATS.frozen = _STATS.thawed = 0
+
+
+RUN_STATE.register("pass_gc", pass_gc_stats, _clear_stats)

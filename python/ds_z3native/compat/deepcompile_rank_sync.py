@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from packaging.version import Version
 
+from ..run_state import RUN_STATE
 from . import Patch, Undo
 from ._rebind import wrap_method
 
@@ -326,3 +327,11 @@ DEEPCOMPILE_RANKS_COMPILE_TOGETHER = Patch(
 )
 
 PATCHES: List[Patch] = [DEEPCOMPILE_RANKS_COMPILE_TOGETHER]
+
+
+def _clear_stats() -> None:
+    if _SYNC is not None:
+        _SYNC.reset()
+
+
+RUN_STATE.register("rank_sync", rank_sync_stats, _clear_stats)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 from packaging.version import Version
 
 from .. import settings
+from ..run_state import RUN_STATE
 from . import Patch, Undo
 from ._fx import is_call
 from .deepcompile_graph_ids import wrap_inductor_compiler
@@ -195,3 +196,11 @@ DEEPCOMPILE_GROUPED_REDUCE = Patch(
 )
 
 PATCHES: List[Patch] = [DEEPCOMPILE_GROUPED_REDUCE]
+
+
+def _clear_stats() -> None:
+    for key in _stats:
+        _stats[key] = 0
+
+
+RUN_STATE.register("reduce_group", reduce_group_stats, _clear_stats)

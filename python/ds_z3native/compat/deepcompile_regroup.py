@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, List, Optional
 from packaging.version import Version
 
 from .. import settings
+from ..run_state import RUN_STATE
 from . import Patch, Undo
 from .deepcompile_graph_ids import graph_id_of, wrap_patch_compiler
 from .deepcompile_persistent import group_persistent_gathers, group_stats, persistent_ids
@@ -339,3 +340,6 @@ DEEPCOMPILE_SINGLE_CYCLE_REGROUP = Patch(
 )
 
 PATCHES: List[Patch] = [DEEPCOMPILE_SINGLE_CYCLE_REGROUP]
+
+
+RUN_STATE.register("single_cycle_regroup", regroup_stats, reset_regroup)

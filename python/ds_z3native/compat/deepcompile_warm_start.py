@@ -51,6 +51,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from packaging.version import Version
 
 from .. import settings
+from ..run_state import RUN_STATE
 from . import Patch, Undo
 from . import deepcompile_profile_store as store
 from . import deepcompile_regroup as regroup
@@ -475,3 +476,6 @@ DEEPCOMPILE_WARM_START = Patch(
 )
 
 PATCHES: List[Patch] = [DEEPCOMPILE_WARM_START]
+
+
+RUN_STATE.register("warm_start", warm_start_stats, reset_warm_start)

@@ -41,6 +41,8 @@
   parameter list instead of three walks of the module tree.
 * ``zero3_grad_norm``: ZeRO-3's optimizer step takes a param group's gradient norm over the span
   of the gradient buffer its partitions cover, in one reduction instead of one per param.
+* ``config_section``: a DeepSpeed engine applies the ``"ds_z3native"`` section of its config
+  (ds_z3native's settings) before DeepSpeed builds it.
 * ``checkpoint_recompute`` (optional module ``ds_z3native.compat.checkpoint_recompute``, its
   ``PATCHES``): eager ZeRO-3 with activation checkpointing of frozen params. Imported lazily; its
   absence is tolerated, an error while importing it is not.
@@ -51,13 +53,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-from typing import List
+from typing import Dict, List, Tuple
 
 from packaging.version import Version
 
 from . import Patch
 
-__all__ = ["PATCH_MODULES", "OPTIONAL_MODULES", "all_patches", "patches_for"]
+__all__ = ["PATCH_MODULES", "OPTIONAL_MODULES", "all_patches", "patch_modules", "patches_for"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ PATCH_MODULES = (
     "ds_z3native.compat.zero3_walks",
     "ds_z3native.compat.zero3_grad_norm",
     "ds_z3native.compat.zero3_overflow_order",
+    "ds_z3native.compat.config_section",
 )
 OPTIONAL_MODULES = ("ds_z3native.compat.checkpoint_recompute",)
 
@@ -109,18 +112,29 @@ def _optional_patches(module_name: str) -> List[Patch]:
     return _module_patches(module_name)
 
 
+def _walk() -> List[Tuple[str, Patch]]:
+    """(module name, patch) of every known patch, in application order."""
+    found: List[Tuple[str, Patch]] = []
+    for name in PATCH_MODULES:
+        found += [(name, p) for p in _module_patches(name)]
+    for name in OPTIONAL_MODULES:
+        found += [(name, p) for p in _optional_patches(name)]
+    return found
+
+
 def all_patches() -> List[Patch]:
     """Every known patch, whatever DeepSpeed version it targets."""
-    patches: List[Patch] = []
-    for name in PATCH_MODULES:
-        patches += _module_patches(name)
-    for name in OPTIONAL_MODULES:
-        patches += _optional_patches(name)
+    patches = [p for _, p in _walk()]
     names = [p.name for p in patches]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"two patches share a name: {duplicates}")
     return patches
+
+
+def patch_modules() -> Dict[str, str]:
+    """Each known patch's name -> the full name of the module that declares it."""
+    return {p.name: module for module, p in _walk()}
 
 
 def patches_for(version: Version) -> List[Patch]:

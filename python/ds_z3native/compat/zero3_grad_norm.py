@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from packaging.version import Version
 
+from ..run_state import RUN_STATE
 from . import Patch
 from ._rebind import wrap_method
 
@@ -150,3 +151,10 @@ ZERO3_FLAT_GRAD_NORM = Patch(
 )
 
 PATCHES = [ZERO3_FLAT_GRAD_NORM]
+
+
+def _clear_counts() -> None:
+    flat_norm_counts(reset=True)
+
+
+RUN_STATE.register("flat_grad_norm", flat_norm_counts, _clear_counts)

@@ -330,8 +330,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                           eval_dataset=evals if args.eval_steps else None, data_collator=collate,
                           callbacks=[recorder.callback()])
     lengths = _count_batch_lengths(trainer)
-    initial_dir = os.path.join(args.output_dir, "adapter-initial")
-    _save_initial_adapter(trainer, initial_dir)
+    # The adapter as initialised, for what --results reports (how far training moved it).
+    initial_dir = os.path.join(args.output_dir, "adapter-initial") if args.results else None
+    if initial_dir:
+        _save_initial_adapter(trainer, initial_dir)
     trainer.train(resume_from_checkpoint=args.resume)
     adapter_dir = os.path.join(args.output_dir, "adapter")
     trainer.save_model(adapter_dir)

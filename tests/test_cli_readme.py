@@ -78,7 +78,7 @@ def _names(requirements: List[str]) -> Set[str]:
 def test_readme_opens_with_two_commands() -> None:
     commands = readme_commands()
     assert len(commands) == 2, commands
-    assert commands[0].split("&&")[-1].strip() == "ds-z3native demo", commands[0]
+    assert commands[0].split("&&")[-1].strip() == "ds-z3native demo --compare", commands[0]
     assert commands[1].split("&&")[-1].strip() == "bash scripts/run_tests.sh", commands[1]
 
 

@@ -7,6 +7,7 @@ DeepSpeed importable here; the ``deepspeed`` tests run on DeepSpeed 0.19.8 and a
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import os
@@ -65,28 +66,107 @@ def _show(r: subprocess.CompletedProcess) -> str:
 @pytest.mark.deepspeed
 @pytest.mark.slow
 @pytest.mark.release_matrix
-def test_readme_demo_command_trains() -> None:
-    """The README's demo command, as written: 2 gloo ranks, ZeRO-3, non-reentrant checkpointing,
-    install() applied: exit 0, a progress bar, every loss finite, and the loss falls."""
+def test_readme_demo_command_shows_the_gain(tmp_path: Path) -> None:
+    """The README's demo command, as written (plus --json): DeepSpeed alone, then with
+    ds_z3native, 2 gloo ranks, ZeRO-3, non-reentrant checkpointing; under DeepCompile where this
+    DeepSpeed runs it on the CPU (0.19.4 on), else eager. Exit 0; with ds_z3native every loss is
+    finite and the loss falls; DeepSpeed alone fails where this release needs the fix
+    (DeepCompile, or eager before 0.19.3) and trains where it does not, and the gain line says
+    which."""
+    from ds_z3native.demo import DemoOptions, compare_options
+
     command = _readme_demo_command()
-    assert command.startswith("ds-z3native demo"), command
-    r = _run(shlex.split(command))
+    assert command.startswith("ds-z3native demo") and "--compare" in command.split(), command
+    path = tmp_path / "demo.json"
+    r = _run(shlex.split(command) + ["--json", str(path)])
     assert r.returncode == 0, _show(r)
-    assert re.search(r"^\s*outcome\s+OK$", r.stdout, re.M), _show(r)
-    losses = _losses(r.stdout)
+    data = json.loads(path.read_text())
+    alone, fixed = data["alone"], data["with_ds_z3native"]
+    deepcompile = compare_options(DemoOptions(device="cpu")).deepcompile
+    assert deepcompile == (_ds_version() >= Version("0.19.4")), _ds_version()
+    assert fixed["options"]["deepcompile"] == alone["options"]["deepcompile"] == deepcompile
+    assert fixed["exit_code"] == 0 and fixed["error"] is None, _show(r)
+    losses = fixed["losses"]
     assert len(losses) == 20 and all(math.isfinite(v) for v in losses), losses
     assert min(losses[-5:]) < losses[0] - 0.5, f"the LoRA adapters did not learn: {losses}"
+    assert re.search(r"^\s*outcome\s+(FAILED.*?|OK)\s{2,}OK$", r.stdout, re.M), _show(r)
+    assert re.search(r"^\s*steps\s+\d+ of 20\s+20 of 20$", r.stdout, re.M), _show(r)
+    version = re.escape(fixed["deepspeed_version"])
+    if deepcompile or _ds_version() < Version("0.19.3"):
+        assert alone["exit_code"] == 1 and alone["error"] is not None, alone
+        assert re.search(rf"^gain: with ds_z3native this run trains; DeepSpeed {version} alone "
+                         r"fails \(\w+", r.stdout, re.M), _show(r)
+        if not deepcompile:
+            assert alone["error"]["type"] == "CheckpointError", alone["error"]
+            assert re.search(r"^why: DeepSpeed 0\.19\.\d's ZeRO-3 frees frozen params",
+                             r.stdout, re.M), _show(r)
+    else:
+        assert alone["exit_code"] == 0 and len(alone["losses"]) == 20, alone
+        assert re.search(rf"^gain: both train: DeepSpeed {version} runs this without "
+                         r"ds_z3native; steady step [0-9.]+ s alone", r.stdout, re.M), _show(r)
     # tqdm's bar on stderr, with the step's loss, step time and peak memory.
     assert re.search(r"LoRA fine-tune: 100%.*20/20.*step 20 loss [0-9.]+ [0-9.]+s/step peak RSS "
                      r"[0-9.]+ MiB", r.stderr), r.stderr[-2000:]
-    assert re.search(r"^\s*step time\s+[0-9.]+ s median of steps 2-20 \([0-9.]+ s first\)$",
+    first = 7 if deepcompile else 2  # after DeepCompile's re-plan at step 6
+    assert re.search(rf"^\s*step time, median\s+.*\s[0-9.]+ s \(steps {first}-20\)$",
                      r.stdout, re.M), _show(r)
-    # The fix row counts install()'s patches by group (the recompute fix among ZeRO-3's), as many
-    # as the start-up line (on stderr, above the bar) says.
+    # The fix line counts install()'s patches by group (the recompute fix among ZeRO-3's), as
+    # many as the start-up line (on stderr, above the bar) says.
     total, groups = _fix_row_groups(r.stdout)
     assert re.search(rf"fix: ds_z3native\.install\(\), {total} patches \(set-up", r.stderr), \
         r.stderr[-2000:]
     assert sum(groups.values()) == total and groups.get("ZeRO-3", 0) >= 1, _show(r)
+
+
+def test_compare_refuses_without_fix() -> None:
+    r = _run([sys.executable, "-m", "ds_z3native", "demo", "--compare", "--without-fix"],
+             timeout=120)
+    assert r.returncode == 2 and "leave out --without-fix" in r.stderr, _show(r)
+    assert r.stdout == "", _show(r)
+
+
+def test_compare_runs_deepcompile_where_it_runs_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--compare picks DeepCompile where it runs here (CPU ranks from DeepSpeed 0.19.4), else
+    eager; an explicit --deepcompile stays."""
+    from ds_z3native import demo
+
+    opts = demo.DemoOptions(device="cpu")
+    monkeypatch.setattr(demo, "_deepspeed_version", lambda: Version("0.19.4"))
+    assert demo.compare_options(opts).deepcompile
+    monkeypatch.setattr(demo, "_deepspeed_version", lambda: Version("0.19.3"))
+    assert not demo.compare_options(opts).deepcompile
+    forced = demo.DemoOptions(device="cpu", deepcompile=True)
+    assert demo.compare_options(forced) is forced
+
+
+def test_comparison_table_and_gain() -> None:
+    """The side-by-side table: each run's outcome (where it failed), steps, losses, median step;
+    the failing run's error with why; the gain line from both."""
+    from ds_z3native.demo import EXIT_FAILED, Comparison, DemoResult, format_comparison
+
+    options = {"model_size": "small", "steps": 3, "deepcompile": True}
+    alone = DemoResult(EXIT_FAILED, options, deepspeed_version="0.19.8", world_size=2,
+                       error={"rank": 0, "step": None, "stage": "engine.compile()",
+                              "type": "RuntimeError",
+                              "message": "Error building extension 'dc': c++ ...\nline 2",
+                              "why": "because", "traceback": ""})
+    fixed = DemoResult(0, options, deepspeed_version="0.19.8", world_size=2,
+                       losses=[7.0, 6.0, 5.0], step_seconds=[9.0, 0.5, 0.3])
+    text = format_comparison(Comparison(alone, fixed))
+    assert re.search(r"^\s*outcome\s+FAILED in engine\.compile\(\): RuntimeError\s+OK$", text,
+                     re.M), text
+    assert re.search(r"^\s*loss first -> last\s+-\s+7\.0000 -> 5\.0000$", text, re.M), text
+    assert re.search(r"^\s*step time, median\s+-\s+0\.400 s \(steps 2-3\)$", text, re.M), text
+    assert "DeepSpeed alone: RuntimeError (rank 0 in engine.compile())" in text, text
+    assert "line 2" not in text and "why: because" in text, text
+    assert text.endswith("gain: with ds_z3native this run trains; DeepSpeed 0.19.8 alone fails "
+                         "(RuntimeError in engine.compile())"), text
+    both = format_comparison(Comparison(
+        DemoResult(0, options, deepspeed_version="0.19.3", step_seconds=[9.0, 0.6, 0.6]),
+        DemoResult(0, options, deepspeed_version="0.19.3", step_seconds=[9.0, 0.3, 0.3])))
+    assert both.endswith("gain: both train: DeepSpeed 0.19.3 runs this without ds_z3native; "
+                         "steady step 0.600 s alone, 0.300 s with ds_z3native (2.00x)"), both
+    assert Comparison(alone, fixed).exit_code == 0
 
 
 @pytest.mark.deepspeed
@@ -268,8 +348,12 @@ def test_a_rank_error_keeps_the_step_and_why_the_rank_sent() -> None:
 
     error = RankError(1, "raised", "CheckpointError", "recomputed shape [0]", "Traceback ...")
     assert _error_of(error, {1: {"kind": "failing", "step": 2, "why": "because"}}, 600) == {
-        "rank": 1, "step": 2, "type": "CheckpointError", "message": "recomputed shape [0]",
-        "why": "because", "traceback": "Traceback ..."}
+        "rank": 1, "step": 2, "stage": None, "type": "CheckpointError",
+        "message": "recomputed shape [0]", "why": "because", "traceback": "Traceback ..."}
+    # Before the first step: where (set-up or engine.compile()) instead of the step.
+    compiling = _error_of(error, {1: {"kind": "failing", "step": None,
+                                      "stage": "engine.compile()", "why": ""}}, 600)
+    assert (compiling["step"], compiling["stage"]) == (None, "engine.compile()")
     died = RankError(0, "died", "RankDied", "rank 0 exited with code -9 without reporting an "
                      "error", exitcode=-9)
     assert _error_of(died, {}, 600)["step"] is None
@@ -279,7 +363,7 @@ def test_a_rank_error_keeps_the_step_and_why_the_rank_sent() -> None:
 
 def _fix_row_groups(summary: str) -> Tuple[int, Dict[str, int]]:
     """(patches, {group: patches}) of a summary's fix row."""
-    match = re.search(r"^\s*fix\s+ds_z3native\.install\(\), (\d+) patch(?:es)?: (.+); names in "
+    match = re.search(r"^\s*fix:?\s+ds_z3native\.install\(\), (\d+) patch(?:es)?: (.+); names in "
                       r"--json$", summary, re.M)
     assert match, summary
     groups = dict((g, int(n)) for g, n in re.findall(r"([^,(]+?) \((\d+)\)(?:, |$)",

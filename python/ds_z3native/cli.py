@@ -39,18 +39,19 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoOptions, DemoRefused, format_summary, run_demo
+    from .demo import (DemoOptions, DemoRefused, format_comparison, format_summary,
+                       run_comparison, run_demo)
 
     opts = DemoOptions(steps=args.steps, ranks=args.ranks, model_size=args.model_size,
                        deepcompile=args.deepcompile, without_fix=args.without_fix,
                        device=args.device, lr=args.lr, seed=args.seed, timeout=args.timeout,
                        log_dir=args.log_dir, progress=not args.no_progress)
     try:
-        result = run_demo(opts)
+        result = run_comparison(opts) if args.compare else run_demo(opts)
     except DemoRefused as e:
         print(f"ds-z3native demo: {e}", file=sys.stderr)
         return 2
-    print(format_summary(result))
+    print(format_comparison(result) if args.compare else format_summary(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.to_json(), f, indent=2)
@@ -138,6 +139,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="DeepSpeed DeepCompile (engine.compile()): GPUs, or CPU ranks from DeepSpeed 0.19.4")
     p.add_argument("--without-fix", action="store_true",
                    help="do not call ds_z3native.install(): show what DeepSpeed alone does")
+    p.add_argument("--compare", action="store_true",
+                   help="run DeepSpeed alone, then with ds_z3native, and show both side by "
+                        "side: under DeepCompile where it runs here (GPUs, or CPU ranks from "
+                        "DeepSpeed 0.19.4), else eager")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where to train (default: CUDA if available)")
     p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate (default 5e-3)")

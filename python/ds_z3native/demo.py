@@ -23,7 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 from packaging.version import InvalidVersion, Version
@@ -32,6 +32,7 @@ from .launch import RankError, RanksFailed, run_ranks, send
 from .models import DEFAULT_SIZE, MODEL_SIZES, ModelSize
 
 __all__ = ["DemoOptions", "DemoResult", "DemoRefused", "run_demo", "format_summary",
+           "Comparison", "compare_options", "run_comparison", "format_comparison",
            "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED"]
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,11 @@ def _why(exc: BaseException, text: str, ds_version: str, fixed: bool) -> str:
                 "recompute sees shape [0]; ds_z3native.install() (or DS_Z3NATIVE=1) keeps them "
                 f"gathered until their module's backward ends (DeepSpeed fixed it in "
                 f"{_UPSTREAM_RECOMPUTE_FIX}).")
+    if "Error building extension 'dc'" in text:
+        return ("DeepSpeed builds its DeepCompile op (dc) from CUDA sources when DeepCompile "
+                "starts, which a CPU-only torch (or a machine without a matching CUDA toolkit) "
+                "cannot compile; ds_z3native ships that op prebuilt, CPU and CUDA "
+                "(ds_z3native.install() or DS_Z3NATIVE=1).")
     return ""
 
 
@@ -167,6 +173,7 @@ def _rank_main(rank: int, world: int, cuda: bool, opts: DemoOptions) -> None:
     failure is sent with the step and why, then raised: the launcher reports it and stops the
     other ranks."""
     step = None
+    stage = "set-up"  # where a failure before the first step happened
     ds_version = "?"
     try:
         import torch
@@ -213,6 +220,7 @@ def _rank_main(rank: int, world: int, cuda: bool, opts: DemoOptions) -> None:
                                           config=_zero3_config(size, opts, cuda))
         replan: List[int] = []
         if opts.deepcompile:
+            stage = "engine.compile()"
             engine.compile()
             replan = _deepcompile_replan_steps()
         device = engine.device
@@ -239,7 +247,7 @@ def _rank_main(rank: int, world: int, cuda: bool, opts: DemoOptions) -> None:
         engine.destroy()
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - the context of the error, then the error itself
-        send({"kind": "failing", "step": step,
+        send({"kind": "failing", "step": step, "stage": None if step is not None else stage,
               "why": _why(e, f"{type(e).__name__}: {e}", ds_version, not opts.without_fix)})
         raise
 
@@ -359,7 +367,8 @@ def _error_of(error: RankError, failing: Dict[int, Dict[str, Any]],
                 "message": f"no progress from the ranks for {timeout:.0f} s", "why": "",
                 "traceback": ""}
     context = failing.get(error.rank, {}) if error.rank is not None else {}
-    return {"rank": error.rank, "step": context.get("step"), "type": error.type,
+    return {"rank": error.rank, "step": context.get("step"), "stage": context.get("stage"),
+            "type": error.type,
             "message": error.message, "why": context.get("why", ""),
             "traceback": error.traceback}
 
@@ -432,22 +441,28 @@ def run_demo(opts: DemoOptions, stream: Optional[TextIO] = None) -> DemoResult:
     return result
 
 
+def _release(text: str) -> Optional[Version]:
+    """The DeepSpeed release ``text`` names (without a local part such as ``+cu130``), or None
+    where it names none."""
+    try:
+        return Version(Version(text.split("+")[0]).base_version)
+    except InvalidVersion:
+        return None
+
+
 def _deepspeed_version() -> Optional[Version]:
     """The installed DeepSpeed's release (without a local part), or None where unreadable."""
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        return Version(Version(version("deepspeed").split("+")[0]).base_version)
-    except Exception:  # noqa: BLE001 - not installed or unparsable: the run says so later
+    try:
+        return _release(version("deepspeed"))
+    except PackageNotFoundError:  # not installed: the run says so later
         return None
 
 
 def _has_upstream_fix(version: str) -> bool:
-    try:
-        return Version(Version(version.split("+")[0]).base_version) >= Version(
-            _UPSTREAM_RECOMPUTE_FIX)
-    except InvalidVersion:
-        return False
+    release = _release(version)
+    return release is not None and release >= Version(_UPSTREAM_RECOMPUTE_FIX)
 
 
 def _error_excerpt(message: str, limit: int = 6) -> List[str]:
@@ -466,19 +481,25 @@ def _error_excerpt(message: str, limit: int = 6) -> List[str]:
     return [k[:300] for k in keep]
 
 
-def _step_time(result: DemoResult) -> str:
-    """The median step time of the steady steps: those after the first step and, under
-    DeepCompile, after its last scheduled re-plan (which compiles every graph again), with the
-    slow steps left out named."""
+def _steady(result: DemoResult) -> Tuple[int, List[float]]:
+    """(first steady step, 0-based; their times): the steps after the first and, under
+    DeepCompile, after its last scheduled re-plan (which compiles every graph again)."""
     times = result.step_seconds
     start = max([0] + [s for s in result.replan_steps if s < len(times)]) + 1
+    return start, times[start:]
+
+
+def _step_time(result: DemoResult) -> str:
+    """The median step time of the steady steps (:func:`_steady`), with the slow steps left out
+    named."""
+    times = result.step_seconds
+    start, steady = _steady(result)
     slow = [f"{times[0]:.2f} s first"]
     slow += [f"{times[s]:.2f} s at DeepCompile's re-plan, step {s + 1}"
              for s in result.replan_steps if 0 < s < len(times)]
-    if start >= len(times):
+    if not steady:
         return (f"no steps after {'the re-plan' if start > 1 else 'the first'} to measure "
                 f"({', '.join(slow)})")
-    steady = times[start:]
     steps = f"step {start + 1}" if len(steady) == 1 else f"steps {start + 1}-{len(times)}"
     return f"{statistics.median(steady):.3f} s median of {steps} ({', '.join(slow)})"
 
@@ -502,7 +523,8 @@ _FIX_GROUPS = {
     "hf_graph_breaks": "transformers", "hf_moe_grouped_mm": "transformers",
     "cpu_accelerator": "accelerators", "cuda_memory_counters": "accelerators",
     "inductor_attention_outputs": "inductor",
-    "gloo_collectives": "gloo collectives",
+    "gloo_collectives": "accelerators",  # DeepSpeed's collectives on the CPU accelerator's gloo
+    "config_section": "settings",
 }
 _INSTALLED = "ds_z3native.install(): "
 
@@ -518,18 +540,9 @@ def _fix_group(module: str) -> str:
 
 def _patch_modules() -> Dict[str, str]:
     """Each known patch's name -> the last part of the name of its module."""
-    import importlib
-    import importlib.util
+    from .compat.registry import patch_modules
 
-    from .compat.registry import OPTIONAL_MODULES, PATCH_MODULES
-
-    found: Dict[str, str] = {}
-    for name in PATCH_MODULES + OPTIONAL_MODULES:
-        if name in OPTIONAL_MODULES and importlib.util.find_spec(name) is None:
-            continue
-        for patch in importlib.import_module(name).PATCHES:
-            found[patch.name] = name.rsplit(".", 1)[-1]
-    return found
+    return {name: module.rsplit(".", 1)[-1] for name, module in patch_modules().items()}
 
 
 def _fix_groups(patches: List[str]) -> List[Tuple[str, int]]:
@@ -586,7 +599,7 @@ def format_summary(result: DemoResult) -> str:
     err = result.error
     if err is not None:
         where = f"rank {err['rank']}" if err.get("rank") is not None else "the run"
-        at = f" at step {err['step'] + 1}" if err.get("step") is not None else ""
+        at = _where(err)
         out.append("")
         out.append(f"error ({where}{at}): {err['type']}")
         out += [f"  {ln}" for ln in _error_excerpt(err["message"])]
@@ -601,4 +614,135 @@ def format_summary(result: DemoResult) -> str:
     if result.note:
         out.append("")
         out.append(f"note: {result.note}")
+    return "\n".join(out)
+
+
+# ---- --compare: DeepSpeed alone, then with ds_z3native ---------------------------------------
+
+@dataclass
+class Comparison:
+    """``ds-z3native demo --compare``: the same run by DeepSpeed alone and with ds_z3native."""
+
+    alone: DemoResult
+    fixed: DemoResult
+
+    @property
+    def exit_code(self) -> int:
+        """The run with ds_z3native decides: DeepSpeed alone failing is what the comparison
+        shows, not a failure of the demo."""
+        return self.fixed.exit_code
+
+    def to_json(self) -> Dict[str, Any]:
+        """A JSON-serialisable dict of both results."""
+        return {"alone": self.alone.to_json(), "with_ds_z3native": self.fixed.to_json()}
+
+
+def compare_options(opts: DemoOptions) -> DemoOptions:
+    """The options ``--compare`` runs: ``opts`` under DeepCompile where DeepCompile runs here
+    (GPUs with a CUDA build, or CPU ranks from DeepSpeed 0.19.4), where every DeepSpeed 0.19.x
+    alone differs from it; else eager, where DeepSpeed 0.19.0 - 0.19.2 alone differ. An explicit
+    ``--deepcompile`` stays (and is refused where it cannot run)."""
+    if opts.deepcompile:
+        return opts
+    try:
+        _resolve(replace(opts, deepcompile=True))
+    except DemoRefused as e:
+        log.debug("--compare runs eager: %s", e)
+        return opts
+    return replace(opts, deepcompile=True)
+
+
+def run_comparison(opts: DemoOptions, stream: Optional[TextIO] = None) -> Comparison:
+    """Run ``compare_options(opts)`` twice, DeepSpeed alone (``without_fix``) and then with
+    ``ds_z3native.install()``, on the same model, data and ranks. Raises :class:`DemoRefused` as
+    :func:`run_demo` does (``without_fix`` in ``opts`` is refused: the comparison runs both)."""
+    if opts.without_fix:
+        raise DemoRefused("--compare runs DeepSpeed alone and then with ds_z3native: leave out "
+                          "--without-fix")
+    opts = compare_options(opts)
+    _resolve(opts)  # refuse before the first run starts
+    stream = stream if stream is not None else sys.stderr
+    results = []
+    for label, without_fix in (("DeepSpeed alone", True), ("with ds_z3native", False)):
+        log_dir = os.path.join(opts.log_dir, "without-fix" if without_fix else "with-fix") \
+            if opts.log_dir else None
+        if opts.progress:
+            stream.write(f"[{len(results) + 1}/2] {label}\n")
+        results.append(run_demo(replace(opts, without_fix=without_fix, log_dir=log_dir), stream))
+    return Comparison(*results)
+
+
+def _where(err: Dict[str, Any]) -> str:
+    """Where a run failed: " at step N", " in engine.compile()", " in set-up" or ""."""
+    if err.get("step") is not None:
+        return f" at step {err['step'] + 1}"
+    return f" in {err['stage']}" if err.get("stage") else ""
+
+
+def _outcome(result: DemoResult) -> str:
+    if result.exit_code == EXIT_OK:
+        return "OK"
+    err = result.error or {}
+    return f"FAILED{_where(err)}: {err.get('type', '?')}"
+
+
+def _median_step(result: DemoResult) -> Optional[float]:
+    _, steady = _steady(result)
+    return statistics.median(steady) if steady else None
+
+
+def _gain(c: Comparison) -> str:
+    """One line: what ds_z3native changed in this comparison."""
+    version = c.fixed.deepspeed_version or c.alone.deepspeed_version or "?"
+    if c.fixed.exit_code != EXIT_OK:
+        return ("the run failed with ds_z3native too (above); please report it with "
+                "`ds-z3native doctor --json` and the rank logs")
+    if c.alone.exit_code != EXIT_OK:
+        err = c.alone.error or {}
+        return (f"with ds_z3native this run trains; DeepSpeed {version} alone fails "
+                f"({err.get('type', '?')}{_where(err)})")
+    alone, fixed = _median_step(c.alone), _median_step(c.fixed)
+    speed = (f"; steady step {alone:.3f} s alone, {fixed:.3f} s with ds_z3native "
+             f"({alone / fixed:.2f}x)" if alone and fixed else "")
+    return f"both train: DeepSpeed {version} runs this without ds_z3native{speed}"
+
+
+def format_comparison(c: Comparison) -> str:
+    """The side-by-side table printed after ``--compare``, the error of a run that failed, and
+    one line on what ds_z3native changed."""
+    opts = c.fixed.options
+    mode = "DeepCompile" if opts.get("deepcompile") else "eager"
+    head = (f"DeepSpeed {c.fixed.deepspeed_version or c.alone.deepspeed_version or '?'} / torch "
+            f"{c.fixed.torch_version or c.alone.torch_version or '?'}: Llama "
+            f"'{opts['model_size']}' with LoRA, ZeRO-3 ({mode}), non-reentrant checkpointing, "
+            f"{c.fixed.world_size} rank(s) on {c.fixed.device.upper()}")
+
+    def cells(r: DemoResult) -> List[str]:
+        median = _median_step(r)
+        start, _ = _steady(r)
+        return [_outcome(r), f"{len(r.losses)} of {opts['steps']}",
+                f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}" if r.losses else "-",
+                f"{median:.3f} s (steps {start + 1}-{len(r.step_seconds)})" if median else "-",
+                _fmt_bytes(r.peak_memory_bytes) if r.peak_memory_bytes else "-",
+                f"{r.wall_seconds:.1f} s", r.log_dir]
+
+    kind = c.fixed.peak_memory_kind or c.alone.peak_memory_kind or "peak"
+    names = ["outcome", "steps", "loss first -> last", "step time, median", f"{kind}, rank 0",
+             "wall time", "rank logs"]
+    rows = [("", "DeepSpeed alone", "with ds_z3native")]
+    rows += list(zip(names, cells(c.alone), cells(c.fixed)))
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    out = [head, ""] + [f"  {a.ljust(w0)}  {b.ljust(w1)}  {d}".rstrip() for a, b, d in rows]
+    for label, r in (("DeepSpeed alone", c.alone), ("with ds_z3native", c.fixed)):
+        err = r.error
+        if err is None:
+            continue
+        where = f"rank {err['rank']}" if err.get("rank") is not None else "the run"
+        out += ["", f"{label}: {err['type']} ({where}{_where(err)})"]
+        # The first line: a build failure's next lines are compiler command lines.
+        out += [f"  {ln[:200]}" for ln in _error_excerpt(err["message"])[:1]]
+        if err.get("why"):
+            out.append(f"why: {err['why']}")
+    out += ["", f"fix: {_fix_row(c.fixed.fix)}", f"gain: {_gain(c)}"]
     return "\n".join(out)

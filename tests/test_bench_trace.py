@@ -1,13 +1,23 @@
 """bench/trace_breakdown.py: a step's device busy share, launches by kind and host time in dc ops
-and compiled graphs, from a torch.profiler Chrome trace (synthetic traces with known answers)."""
+and compiled graphs, from a torch.profiler Chrome trace (synthetic traces with known answers),
+and from the trace ``bench/lora_llama.py --trace`` writes of a toy run on the CPU."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 
-from bench.trace_breakdown import breakdown, kernel_kind, union_length
+from helpers.bench_cli import bench_env as _env
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # bench/ is a folder of the checkout, not an installed package
+
+from bench.trace_breakdown import breakdown, kernel_kind, union_length  # noqa: E402
 
 
 def _x(name: str, cat: str, ts: float, dur: float, tid: int = 1, **args: Any) -> Dict[str, Any]:
@@ -205,3 +215,36 @@ def test_report_shows_where_the_device_waits() -> None:
     row = next(ln for ln in lines[at:] if ln.startswith("| dc"))
     # Idle 0-100 (forward), 400-500 (backward), 800-1000 (backward 100, other 100).
     assert row.strip("|").split("|")[-1].strip() == "0.4 (0.1 / 0.2 / 0.0 / 0.1)"
+
+
+def test_lora_trace_profiles_two_more_steps(tmp_path: Path) -> None:
+    # --trace: two more steps after the timed ones under torch.profiler, a Chrome trace and the
+    # op table per rank; the record's steps stay the run's own (1 warm-up + 2 timed).
+    trace_dir, out = tmp_path / "trace", tmp_path / "ours.json"
+    r = subprocess.run([sys.executable, "bench/lora_llama.py", "--size", "toy", "--variant", "ours",
+                        "--warmup", "1", "--steps", "2", "--no-track-gathered",
+                        "--trace", str(trace_dir), "--output", str(out)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert "error" not in record, record.get("error")
+    assert len(record["losses"]) == 3 and record["step_ms"]["n"] == 2
+    assert record["trace"]["steps"] == 2 and record["trace"]["ops"] > 0
+    events = json.loads((trace_dir / "ours-rank0.json").read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any(n.startswith("aten::mm") or n.startswith("aten::addmm") for n in names), sorted(names)[:40]
+    top = (trace_dir / "ours-rank0-top.txt").read_text()
+    assert "Self CPU" in top and "aten::" in top
+    # The per-step breakdown: no device on a CPU, no dc op in an eager run, the profiled steps'
+    # own wall time.
+    split = record["trace"]["breakdown"]
+    assert split["steps"] == 2 and split["wall_ms"] > 0
+    assert split["device_busy_share"] is None and split["launches"]["total"] == 0
+    assert split["dc_calls"] == {} and split["host_ms"]["dc_ops"] == 0
+    # Each profiled step and its three phases are marked for the device-idle split (None here:
+    # no device).
+    marks = [e["name"] for e in events if e.get("name", "").startswith("phase:")]
+    assert sorted(set(marks)) == ["phase:backward", "phase:forward", "phase:optimizer_step",
+                                  "phase:step"], marks
+    assert all(marks.count(m) == 2 for m in set(marks)), marks
+    assert split["device_idle"] is None

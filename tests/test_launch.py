@@ -174,3 +174,33 @@ def test_a_port_taken_every_time_fails_after_the_last_attempt(
     with pytest.raises(RanksFailed) as failed:
         run_ranks(_rank1_raises, 2, timeout=60)
     assert not any(e.port_in_use for e in failed.value.errors)
+
+
+_KEPT: List[Any] = []
+
+
+def _makes_a_semaphore(rank: int, world_size: int) -> int:
+    # What tqdm does for its lock (torch.fx's interpreter builds a tqdm bar in every compile)
+    # where the start method is spawn: a named semaphore, registered with the parent's resource
+    # tracker.
+    lock = multiprocessing.get_context("spawn").RLock()
+    _KEPT.append(lock)  # alive until the rank ends, as tqdm's class attribute is
+    with lock:
+        return rank
+
+
+def test_a_rank_leaves_no_semaphore_for_the_parents_tracker_to_report() -> None:
+    """A rank ends with os._exit, which skips multiprocessing's exit finalizers: the named
+    semaphores it made are removed first, so the resource tracker, which the parent shares, has
+    nothing to report as leaked when the parent exits (a warning under every DeepCompile demo)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, 'tests'); "
+            "from test_launch import _makes_a_semaphore; "
+            "from ds_z3native.launch import run_ranks; "
+            "print(run_ranks(_makes_a_semaphore, 2))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[0, 1]", r.stderr
+    assert "leaked semaphore" not in r.stderr, r.stderr

@@ -23,7 +23,10 @@ A rank ends with ``os._exit`` once its result is sent and its process group dest
 interpreter finalization: once ``torch._dynamo`` is imported (DeepSpeed imports it),
 ``destroy_process_group()`` no longer frees a gloo group, so its worker threads outlive the
 interpreter, and a worker that needs the GIL during finalization ends the process with
-``std::terminate`` (SIGABRT) after the rank had finished.
+``std::terminate`` (SIGABRT) after the rank had finished. Before it, the rank removes the named
+semaphores it made (multiprocessing's exit finalizers would have): the resource tracker is the
+parent's, and would report them leaked when the parent exits (tqdm makes one for its lock, and
+torch.fx's interpreter builds a tqdm bar, disabled, in every DeepCompile compile).
 """
 
 from __future__ import annotations
@@ -198,9 +201,24 @@ def _rank_main(target: _Target, rank: int, conn: Connection) -> None:
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - teardown only: the result is sent
             pass
+    _remove_semaphores()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if ok else 1)  # see the module doc for why not finalize
+
+
+def _remove_semaphores() -> None:
+    """Run multiprocessing's exit finalizers of this process's named semaphores only (unlink, and
+    unregister from the resource tracker): what interpreter exit does, which ``os._exit`` skips."""
+    try:
+        from multiprocessing import synchronize, util
+
+        registry = getattr(util, "_finalizer_registry", {})
+        for finalizer in list(registry.values()):
+            if getattr(finalizer, "_callback", None) is synchronize.SemLock._cleanup:
+                finalizer()
+    except Exception as e:  # noqa: BLE001 - teardown only: at worst the tracker warns
+        log.debug("removing this rank's semaphores: %s", e)
 
 
 class Ranks:

@@ -145,12 +145,16 @@ from packaging.version import Version
 
 try:  # run as bench/lora_llama.py, its folder is on the path; imported as bench.lora_llama
     from bench.conditions import GpuConditions
+    from bench.core.variants import (CHECKPOINTING, OURS_DC, TRAINER, UPSTREAM_DC,
+                                     VARIANT_BY_NAME, VARIANTS, VARLEN)
     from bench.deepcompile_run import (GcClock, add_inductor_option, add_skip_patch_option,
                                        apply_inductor_config, skip_patches,
                                        deepcompile_pass_seconds)
     from bench.trace_breakdown import PHASE_PREFIX, breakdown_file
 except ImportError:
     from conditions import GpuConditions
+    from core.variants import (CHECKPOINTING, OURS_DC, TRAINER, UPSTREAM_DC, VARIANT_BY_NAME,
+                               VARIANTS, VARLEN)
     from deepcompile_run import (GcClock, add_inductor_option, add_skip_patch_option,
                                  apply_inductor_config, skip_patches,
                                  deepcompile_pass_seconds)
@@ -158,42 +162,10 @@ except ImportError:
 
 log = logging.getLogger("bench.lora_llama")
 
-VARIANTS = ("plain", "none", "upstream", "ours", "reentrant", "dc", "dc-warm", "dc-ckpt",
-            "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream", "trainer-dc-ckpt",
-            "dc-ckpt-upstream", "dc-ckpt-ungrouped", "dc-ckpt-single",
-            "dc-ckpt-single-reduce-each", "dc-ckpt-varlen", "dc-ckpt-single-varlen")
-# Variants on batches of varying length (``--lengths``), each with the variant it repeats at a
-# fixed length: merge gives it the ratio of its time per token to that one's.
-VARLEN = {"dc-ckpt-varlen": "dc-ckpt", "dc-ckpt-single-varlen": "dc-ckpt-single"}
 DEFAULT_LENGTHS = "uniform:128:2048"
 LENGTHS_SEED = 0  # one draw of lengths for every rank and run
 # Steps of a varlen invocation of the suite: the varlen run and its fixed-length baseline.
 VARLEN_DC_STEPS, FIXED_DC_STEPS = 100, 40
-CHECKPOINTING = {"plain": "none", "none": "none", "upstream": "non-reentrant",
-                 "ours": "non-reentrant", "reentrant": "reentrant", "dc": "none", "dc-warm": "none",
-                 "dc-ckpt": "non-reentrant", "dc-ckpt-lowmem": "non-reentrant",
-                 "dc-ckpt-lean": "non-reentrant",
-                 "dc-upstream": "none", "trainer-dc-ckpt": "non-reentrant",
-                 "dc-ckpt-upstream": "non-reentrant", "dc-ckpt-ungrouped": "non-reentrant",
-                 "dc-ckpt-single": "non-reentrant", "dc-ckpt-single-reduce-each": "non-reentrant",
-                 "dc-ckpt-varlen": "non-reentrant", "dc-ckpt-single-varlen": "non-reentrant"}
-DEEPCOMPILE = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream",
-               "trainer-dc-ckpt", "dc-ckpt-upstream", "dc-ckpt-ungrouped", "dc-ckpt-single",
-               "dc-ckpt-single-reduce-each", "dc-ckpt-varlen", "dc-ckpt-single-varlen")
-# DeepCompile with DeepSpeed's own op (no ds_z3native).
-UPSTREAM_DC = ("dc-upstream", "dc-ckpt-upstream")
-# Variants a full lora_llama run leaves out: they run when named (``--variants``) or by another
-# benchmark (``compile_scaling``).
-OPT_IN = ("dc-ckpt-upstream", "dc-ckpt-ungrouped", "dc-ckpt-single",
-          "dc-ckpt-single-reduce-each", "dc-ckpt-varlen", "dc-ckpt-single-varlen")
-OURS_DC = ("dc", "dc-warm", "dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "trainer-dc-ckpt",
-           "dc-ckpt-ungrouped", "dc-ckpt-single", "dc-ckpt-single-reduce-each",
-           "dc-ckpt-varlen", "dc-ckpt-single-varlen")
-# Variants HF Trainer drives (it enables checkpointing itself, from its arguments), each with the
-# variant of our own loop it repeats: merge gives it the ratio of its step time to that one's.
-TRAINER = {"trainer-dc-ckpt": "dc-ckpt"}
-# Variants with ds_z3native.set_single_cycle(True).
-SINGLE_CYCLE = ("dc-ckpt-single", "dc-ckpt-single-reduce-each", "dc-ckpt-single-varlen")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
 SIZES: Dict[str, Dict[str, int]] = {
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -1032,23 +1004,15 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if args.take_turns is not None:
         folder, count, per_turn = args.take_turns
         turns = Turns(folder, count, per_turn=per_turn)
-    deepcompile = variant in DEEPCOMPILE
+    spec = VARIANT_BY_NAME[variant]
+    deepcompile = spec.deepcompile
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     if variant in OURS_DC:
         import ds_z3native  # before DeepSpeed builds anything: its loader gets our op
 
         skip_patches(args.skip_patch)
         ds_z3native.install()
-        if variant in ("dc-ckpt-lowmem", "dc-ckpt-lean"):
-            ds_z3native.set_persistence_budget(0)
-        if variant == "dc-ckpt-lean":
-            ds_z3native.set_prefetch_budget(0)
-        if variant == "dc-ckpt-ungrouped":
-            ds_z3native.set_group_persistent(False)
-        if variant in SINGLE_CYCLE:
-            ds_z3native.set_single_cycle(True)  # one profiling cycle: no re-plan at step 6
-        if variant == "dc-ckpt-single-reduce-each":
-            ds_z3native.set_group_reduce(False)
+        ds_z3native.configure(**dict(spec.settings))
     import deepspeed
 
     if on_gpu:
@@ -1117,11 +1081,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "dtype": dtype_name, "micro_batch": args.micro_batch, "seq": args.seq,
         "world_size": world_size, "device": device_name,
         "checkpointing": CHECKPOINTING[variant], "deepcompile": deepcompile,
-        "persistence_budget_mb": 0 if variant in ("dc-ckpt-lowmem", "dc-ckpt-lean") else None,
-        "prefetch_budget_mb": 0 if variant == "dc-ckpt-lean" else None,
-        "group_persistent": variant != "dc-ckpt-ungrouped" if variant in OURS_DC else None,
-        "single_cycle": variant in SINGLE_CYCLE if variant in OURS_DC else None,
-        "group_reduce": variant != "dc-ckpt-single-reduce-each" if variant in OURS_DC else None,
+        "persistence_budget_mb": spec.setting("persistence_budget_mib"),
+        "prefetch_budget_mb": spec.setting("prefetch_budget_mib"),
+        "group_persistent": spec.setting("group_persistent", True) if spec.op == "ours" else None,
+        "single_cycle": spec.setting("single_cycle", False) if spec.op == "ours" else None,
+        "group_reduce": spec.setting("group_reduce", True) if spec.op == "ours" else None,
         "zero": None if variant == "plain" else 3,
         "deepspeed_config": None if variant == "plain" else config,
         "loop": "transformers.Trainer" if variant in TRAINER else "own",

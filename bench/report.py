@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from bench.core.variants import VARIANT_TABLE
 from bench.core.schema import (RESULTS_DIR, ROOT, add_ratios, metric_value, run_deepspeed, run_ok,
                                run_variant, same_run_ratio)
 
@@ -219,23 +220,8 @@ _LORA_ORDER = ("plain", "none", "upstream", "reentrant", "ours", "dc", "dc-warm"
                "trainer-dc-ckpt", "dc-ckpt-lowmem", "dc-ckpt-lean", "dc-upstream",
                "dc-ckpt-upstream", "dc-ckpt-single", "dc-ckpt-single-reduce-each",
                "dc-ckpt-varlen", "dc-ckpt-single-varlen")
-_LORA_WHAT = {"plain": "plain PyTorch, no ZeRO", "none": "eager ZeRO-3",
-              "upstream": "eager ZeRO-3, DeepSpeed's own", "reentrant": "eager ZeRO-3",
-              "ours": "eager ZeRO-3 + ds_z3native holds", "dc": "DeepCompile + ds_z3native",
-              "dc-warm": "DeepCompile + ds_z3native, inductor cache and profile store warm from `dc`",
-              "dc-ckpt": "DeepCompile + ds_z3native",
-              "trainer-dc-ckpt": "HF Trainer + DeepCompile + ds_z3native (`dc-ckpt` through "
-                                 "`TrainingArguments`)",
-              "dc-ckpt-lowmem": "DeepCompile + ds_z3native, persistence budget 0",
-              "dc-ckpt-lean": "DeepCompile + ds_z3native, persistence and prefetch budgets 0",
-              "dc-upstream": "DeepCompile, DeepSpeed's JIT op",
-              "dc-ckpt-upstream": "DeepCompile, DeepSpeed's JIT op",
-              "dc-ckpt-single": "DeepCompile + ds_z3native, `set_single_cycle(True)`",
-              "dc-ckpt-single-reduce-each": "DeepCompile + ds_z3native, single cycle, a "
-                                            "reduce_grad call per gradient "
-                                            "(`set_group_reduce(False)`)",
-              "dc-ckpt-varlen": "`dc-ckpt` on lengths drawn per step",
-              "dc-ckpt-single-varlen": "`dc-ckpt-single` on lengths drawn per step"}
+# Each LoRA variant's label in the tables (bench/core/variants.py's VARIANT_TABLE).
+_LORA_WHAT = {v.name: v.label for v in VARIANT_TABLE if v.label}
 
 
 def _lora_speedup(r: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> Optional[str]:

@@ -396,8 +396,7 @@ def test_a_run_is_measured_against_unsharded_pytorch_of_its_own_run(tmp_path: Pa
 def test_the_grouped_reduce_alone_is_a_lora_pair_run_only_when_named() -> None:
     # dc-ckpt-single-reduce-each is dc-ckpt-single with set_group_reduce(False): the two in one
     # invocation measure the grouped reduce alone. A full run leaves it out.
-    sys.path.insert(0, str(ROOT / "bench"))
-    from lora_llama import CHECKPOINTING, DEEPCOMPILE, OPT_IN, OURS_DC
+    from bench.core.variants import CHECKPOINTING, DEEPCOMPILE, OPT_IN, OURS_DC
 
     name = "dc-ckpt-single-reduce-each"
     assert name in OPT_IN and name in OURS_DC and name in DEEPCOMPILE
@@ -410,3 +409,30 @@ def test_the_grouped_reduce_alone_is_a_lora_pair_run_only_when_named() -> None:
     assert picked == ["dc-ckpt-single", name]
     full = _bench("lora_llama", "--dry-run")
     assert full.returncode == 0 and f"--variant {name} " not in full.stdout + " "
+
+
+def test_the_variants_are_one_table_and_the_docs_table_is_written_from_it() -> None:
+    """bench/core/variants.py's records are the one source: the lists the benchmark reads are
+    derived from them, each ds_z3native variant's settings are Settings fields with valid
+    values, each baseline a variant, and docs/benchmarks.md's table is the generated one."""
+    import dataclasses
+
+    from bench.core import variants as V
+    from ds_z3native.settings import Settings
+
+    names = [v.name for v in V.VARIANT_TABLE]
+    assert len(names) == len(set(names)) == len(V.VARIANTS)
+    for v in V.VARIANT_TABLE:
+        assert v.checkpointing in ("none", "non-reentrant", "reentrant"), v
+        assert v.op in (None, "ours", "deepspeed") and (v.op is None or v.deepcompile), v
+        if v.settings:
+            assert v.op == "ours", v
+            dataclasses.replace(Settings(), **dict(v.settings))  # refuses a bad field or value
+        for base in (v.trainer_of, v.varlen_of):
+            assert base is None or base in V.VARIANT_BY_NAME, v
+    assert V.SINGLE_CYCLE == tuple(v.name for v in V.VARIANT_TABLE
+                                   if dict(v.settings).get("single_cycle"))
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert V.variant_table_markdown() in docs, (
+        "docs/benchmarks.md's LoRA variant table differs from bench/core/variants.py's: paste "
+        "`python -c \"from bench.core.variants import variant_table_markdown as t; print(t())\"`")

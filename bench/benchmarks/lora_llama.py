@@ -20,9 +20,9 @@ from ds_z3native.settings import PROFILE_STORE_ENV
 from bench.core.registry import BenchContext, Benchmark, deepspeed_envs, register
 from bench.core.runner import Command, run_command, run_commands
 from bench.core.schema import read_json, versions
-from bench.lora_llama import (DEEPCOMPILE, DEFAULT_LENGTHS, FIXED_DC_STEPS, OPT_IN, TRAINER,
-                               VARIANTS, VARLEN, VARLEN_DC_STEPS, bench_name, fixed_length,
-                               is_varlen_invocation, parse_lengths)
+from bench.core.variants import DEEPCOMPILE, OPT_IN, TRAINER, VARIANTS, VARLEN
+from bench.lora_llama import (DEFAULT_LENGTHS, FIXED_DC_STEPS, VARLEN_DC_STEPS, bench_name,
+                              fixed_length, is_varlen_invocation, parse_lengths)
 
 __all__ = ["SCRIPT", "BENCHMARK", "check_lora_variants"]
 

@@ -25,7 +25,7 @@ from bench.benchmarks.compile_scaling import ALL_KINDS as SCALING_KINDS
 from bench.benchmarks.lora_llama import check_lora_variants
 from bench.core.registry import BenchContext, Benchmark, contexts_for, finish_result
 from bench.core.schema import RESULTS_DIR, SMOKE_DIR, metric_value, run_ok, write_result
-from bench.lora_llama import VARIANTS as LORA_VARIANTS
+from bench.core.variants import VARIANTS as LORA_VARIANTS
 
 log = logging.getLogger("bench.core.cli")
 

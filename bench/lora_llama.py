@@ -9,6 +9,10 @@ One variant per process (DeepSpeed keeps process-wide hooks and state); the Deep
 whatever ``import deepspeed`` finds (choose it with PYTHONPATH):
 
 * ``plain``: plain PyTorch, no DeepSpeed, no ZeRO, no checkpointing (the ceiling);
+* ``compiled``: ``plain`` with ``torch.compile(model)``;
+* ``fsdp2-ckpt-compile``: the peer recipe: PyTorch FSDP2, transformers' non-reentrant
+  checkpointing, each decoder layer ``.compile()``d and ``fully_shard``ed, then the root (what
+  accelerate's regional compilation with FSDP2 does), AdamW over the LoRA params;
 * ``none``: eager ZeRO-3, no checkpointing, DeepSpeed alone;
 * ``upstream``: eager ZeRO-3, non-reentrant checkpointing, DeepSpeed alone (fails before 0.19.3);
 * ``ours``: eager ZeRO-3, non-reentrant checkpointing with ds_z3native's recompute holds
@@ -146,7 +150,7 @@ from packaging.version import Version
 try:  # run as bench/lora_llama.py, its folder is on the path; imported as bench.lora_llama
     from bench.conditions import GpuConditions
     from bench.core.variants import (CHECKPOINTING, OURS_DC, TRAINER, UPSTREAM_DC,
-                                     VARIANT_BY_NAME, VARIANTS, VARLEN)
+                                     VARIANT_BY_NAME, VARIANTS, VARLEN, Variant)
     from bench.deepcompile_run import (GcClock, add_inductor_option, add_skip_patch_option,
                                        apply_inductor_config, skip_patches,
                                        deepcompile_pass_seconds)
@@ -154,7 +158,7 @@ try:  # run as bench/lora_llama.py, its folder is on the path; imported as bench
 except ImportError:
     from conditions import GpuConditions
     from core.variants import (CHECKPOINTING, OURS_DC, TRAINER, UPSTREAM_DC, VARIANT_BY_NAME,
-                               VARIANTS, VARLEN)
+                               VARIANTS, VARLEN, Variant)
     from deepcompile_run import (GcClock, add_inductor_option, add_skip_patch_option,
                                  apply_inductor_config, skip_patches,
                                  deepcompile_pass_seconds)
@@ -864,6 +868,33 @@ class _Batches:
         return batch
 
 
+def _peer_recipe(spec: Variant, model: Any, device: Any) -> Any:
+    """``model`` as a peer variant runs it, its checkpointing already set (transformers' own,
+    inside each decoder layer's ``forward``, as accelerate and TRL users get it). ``fsdp2``: each
+    decoder layer ``.compile()``d (``compile == "layers"``), then ``fully_shard`` on each decoder
+    layer and on the root over every rank. ``compile == "model"``: the whole model
+    ``torch.compile``d. Where Dynamo cannot trace a checkpointed layer (a graph break inside
+    the checkpoint), that layer runs eagerly: the record's ``dynamo`` counts say what compiled."""
+    import torch
+
+    if spec.framework == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        if not layers:
+            raise RuntimeError(f"{spec.name}: the model has no *DecoderLayer module")
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        for layer in layers:
+            if spec.compile == "layers":
+                layer.compile()
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if spec.compile == "model":
+        model = torch.compile(model)
+    return model
+
+
 def _own_loop(args: argparse.Namespace, model: Any, config: Dict[str, Any], device: Any,
               clock: _StepClock, batches: _Batches) -> "tuple[Any, Callable[[], float]]":
     """Our loop: ``engine(...)``, ``engine.backward``, ``engine.step`` (or plain PyTorch with
@@ -876,7 +907,9 @@ def _own_loop(args: argparse.Namespace, model: Any, config: Dict[str, Any], devi
         # the device's waits by phase); without a profiler it costs a few microseconds.
         return torch.profiler.record_function(PHASE_PREFIX + name)
 
-    if args.variant == "plain":
+    spec = VARIANT_BY_NAME[args.variant]
+    if spec.framework != "deepspeed":
+        model = _peer_recipe(spec, model, device)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
         def forward_backward(batch: Dict[str, Any]) -> Any:
@@ -1030,7 +1063,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     op_load_s = load_upstream_op() if variant in UPSTREAM_DC and args.build_op_first else None
     dtype_name = args.dtype or ("bf16" if on_gpu else "fp32")
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    if variant == "plain":
+    if spec.framework == "torch":
         rank, world_size = 0, 1
     else:
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
@@ -1086,8 +1119,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "group_persistent": spec.setting("group_persistent", True) if spec.op == "ours" else None,
         "single_cycle": spec.setting("single_cycle", False) if spec.op == "ours" else None,
         "group_reduce": spec.setting("group_reduce", True) if spec.op == "ours" else None,
-        "zero": None if variant == "plain" else 3,
-        "deepspeed_config": None if variant == "plain" else config,
+        "framework": spec.framework, "compile": spec.compile,
+        "zero": 3 if spec.framework == "deepspeed" else None,
+        "deepspeed_config": config if spec.framework == "deepspeed" else None,
         "loop": "transformers.Trainer" if variant in TRAINER else "own",
         # Per step: a length drawn from these (varlen) or --seq; rows full or collator-padded.
         "lengths": args.lengths.record() if args.lengths is not None else None,
@@ -1124,6 +1158,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     all_steps, losses, times, compile_marks = (clock.all_steps, clock.losses, clock.times,
                                                clock.compile_marks)
     record["step_s_all"] = all_steps
+    if spec.compile:
+        import torch._dynamo.utils
+
+        # What torch.compile made of the peer's model: a checkpointed layer Dynamo could not
+        # trace (a graph break inside the checkpoint) ran eagerly, and compiled nothing.
+        dynamo = torch._dynamo.utils.counters
+        record["dynamo"] = {"unique_graphs": int(dynamo["stats"]["unique_graphs"]),
+                            "graph_breaks": int(sum(dynamo["graph_break"].values()))}
     if deepcompile:
         record["replan_step_s"] = all_steps[5] if len(all_steps) > 5 else None
         # Where the compile time went (torch's counters): to the end of step 1, and in the re-plan.

@@ -436,3 +436,37 @@ def test_the_variants_are_one_table_and_the_docs_table_is_written_from_it() -> N
     assert V.variant_table_markdown() in docs, (
         "docs/benchmarks.md's LoRA variant table differs from bench/core/variants.py's: paste "
         "`python -c \"from bench.core.variants import variant_table_markdown as t; print(t())\"`")
+
+
+@pytest.mark.slow
+def test_the_peer_variants_train_the_same_model_on_the_same_batches(tmp_path: Path) -> None:
+    """plain PyTorch with torch.compile (``compiled``) and FSDP2 with per-layer compile and
+    checkpointing (``fsdp2-ckpt-compile``, one gloo rank) against ``plain``, toy size on the CPU,
+    fp32: the same losses step for step; each record says what torch.compile made of it."""
+    import os
+    import subprocess
+
+    from ds_z3native._net import free_port
+
+    losses = {}
+    for variant in ("plain", "compiled", "fsdp2-ckpt-compile"):
+        out = tmp_path / f"{variant}.json"
+        env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        env.pop("DS_Z3NATIVE", None)
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "lora_llama.py"), "--variant",
+                            variant, "--size", "toy", "--steps", "3", "--warmup", "1", "--seq",
+                            "32", "--micro-batch", "1", "--no-track-gathered", "--run", "peers",
+                            "--output", str(out)], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        record = json.loads(out.read_text())
+        losses[variant] = record["losses"]
+        setup = record["setup"]
+        assert setup["zero"] is None and setup["deepspeed_config"] is None, setup
+        if variant != "plain":
+            assert set(record["dynamo"]) == {"unique_graphs", "graph_breaks"}, record["dynamo"]
+    assert setup["framework"] == "fsdp2" and setup["compile"] == "layers"
+    assert len(losses["plain"]) == 4
+    for variant in ("compiled", "fsdp2-ckpt-compile"):
+        assert losses[variant] == pytest.approx(losses["plain"], rel=1e-4), (variant, losses)

@@ -18,6 +18,9 @@ __all__ = ["Variant", "VARIANT_TABLE", "VARIANT_BY_NAME", "VARIANTS", "VARLEN", 
 class Variant:
     """One LoRA variant: how it trains and against what it is measured.
 
+    ``framework``: DeepSpeed ZeRO-3, plain PyTorch (no sharding) or PyTorch FSDP2
+    (``fully_shard`` per decoder layer and the root), the peers; ``compile``: ``torch.compile``
+    applied to the whole model or to each decoder layer (``module.compile()``, before sharding).
     ``op``: whose dc op DeepCompile runs and whether ds_z3native is installed: ``"ours"``
     (``ds_z3native.install()``, then ``configure(**settings)``), ``"deepspeed"`` (DeepSpeed's own
     JIT-built op, no ds_z3native) or ``None`` (no DeepCompile; eager variants other than ``ours``
@@ -31,6 +34,8 @@ class Variant:
     deepcompile: bool = False
     op: Optional[str] = None
     settings: Tuple[Tuple[str, Any], ...] = ()  # ds_z3native.configure() fields
+    framework: str = "deepspeed"  # "deepspeed", "torch" (one process, no sharding) or "fsdp2"
+    compile: Optional[str] = None  # torch.compile of "model" or of each decoder layer ("layers")
     opt_in: bool = False
     trainer_of: Optional[str] = None
     varlen_of: Optional[str] = None
@@ -47,7 +52,22 @@ VARIANT_TABLE: Tuple[Variant, ...] = (
     Variant("plain",
             about="plain PyTorch, no ZeRO",
             checkpointing="none",
+            framework="torch",
             label="plain PyTorch, no ZeRO"),
+    Variant("compiled",
+            about="plain PyTorch with `torch.compile(model)`, no ZeRO, no checkpointing",
+            checkpointing="none",
+            framework="torch",
+            compile="model",
+            label="plain PyTorch + torch.compile"),
+    Variant("fsdp2-ckpt-compile",
+            about="PyTorch FSDP2 (`fully_shard` per decoder layer and the root), non-reentrant "
+                  "checkpointing, each decoder layer `.compile()`d (accelerate's regional "
+                  "compilation)",
+            checkpointing="non-reentrant",
+            framework="fsdp2",
+            compile="layers",
+            label="FSDP2 + per-layer torch.compile"),
     Variant("none",
             about="eager ZeRO-3, no checkpointing",
             checkpointing="none",

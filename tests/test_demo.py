@@ -148,7 +148,9 @@ def test_comparison_table_and_gain() -> None:
     alone = DemoResult(EXIT_FAILED, options, deepspeed_version="0.19.8", world_size=2,
                        error={"rank": 0, "step": None, "stage": "engine.compile()",
                               "type": "RuntimeError",
-                              "message": "Error building extension 'dc': c++ ...\nline 2",
+                              "message": "Error building extension 'dc': [1/7] c++ -I...\n"
+                                         "c++ -MMD ...\nz1.cpp:6: fatal error: cuda.h: No "
+                                         "such file or directory\nmore",
                               "why": "because", "traceback": ""})
     fixed = DemoResult(0, options, deepspeed_version="0.19.8", world_size=2,
                        losses=[7.0, 6.0, 5.0], step_seconds=[9.0, 0.5, 0.3])
@@ -158,7 +160,10 @@ def test_comparison_table_and_gain() -> None:
     assert re.search(r"^\s*loss first -> last\s+-\s+7\.0000 -> 5\.0000$", text, re.M), text
     assert re.search(r"^\s*step time, median\s+-\s+0\.400 s \(steps 2-3\)$", text, re.M), text
     assert "DeepSpeed alone: RuntimeError (rank 0 in engine.compile())" in text, text
-    assert "line 2" not in text and "why: because" in text, text
+    # A failed build: what failed and the compiler's first error, not its command lines.
+    assert ("  Error building extension 'dc'\n  z1.cpp:6: fatal error: cuda.h: No such file or "
+            "directory\nwhy: because") in text, text
+    assert "c++" not in text and "more" not in text, text
     assert text.endswith("gain: with ds_z3native this run trains; DeepSpeed 0.19.8 alone fails "
                          "(RuntimeError in engine.compile())"), text
     both = format_comparison(Comparison(

@@ -270,3 +270,26 @@ def test_a_malformed_section_is_refused_naming_the_field_and_the_value(
                     r"settings \(persistence_budget_mib, .*\), got \[1\]$",
                     refused["not an object"]), refused["not an object"]
     assert sections["unchanged_by_refusals"]  # nothing applied, the good field neither
+
+
+def test_a_misspelt_variable_is_named_with_the_one_it_is_closest_to() -> None:
+    """A DS_Z3NATIVE_* variable ds_z3native does not read (``..._MIB`` for ``..._MB``) is warned
+    about when the settings are first read, with the closest real name; real ones are not."""
+    import subprocess
+    import sys
+
+    from ds_z3native import settings
+
+    assert settings.unknown_variables({
+        "DS_Z3NATIVE_PERSISTENCE_BUDGET_MIB": "256", "DS_Z3NATIVE_PREFETCH_BUDGET_MB": "8",
+        "DS_Z3NATIVE": "1", "DS_Z3NATIVE_CUDA": "0", "DS_Z3NATIVE_XYZ": "1", "OTHER": "1"}) == [
+        ("DS_Z3NATIVE_PERSISTENCE_BUDGET_MIB", "DS_Z3NATIVE_PERSISTENCE_BUDGET_MB"),
+        ("DS_Z3NATIVE_XYZ", None)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS_Z3NATIVE")}
+    env["DS_Z3NATIVE_PERSISTENCE_BUDGET_MIB"] = "256"
+    r = subprocess.run([sys.executable, "-c", "import ds_z3native; "
+                        "print(ds_z3native.current_settings().persistence_budget_mib)"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "None", r.stderr
+    assert ("DS_Z3NATIVE_PERSISTENCE_BUDGET_MIB is not a ds_z3native variable: ignored (did you "
+            "mean DS_Z3NATIVE_PERSISTENCE_BUDGET_MB?)") in r.stderr, r.stderr

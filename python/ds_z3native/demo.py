@@ -404,6 +404,12 @@ def run_demo(opts: DemoOptions, stream: Optional[TextIO] = None) -> DemoResult:
                       f"{result.torch_version}; Llama '{opts.model_size}' with LoRA, ZeRO-3, non-reentrant "
                       f"checkpointing; fix: {_fix_shown(result.fix, event['patches'])} (set-up "
                       f"{result.setup_seconds:.1f} s)")
+            if opts.deepcompile:
+                again = [s + 1 for s in result.replan_steps if s > 0]
+                bar.write("DeepCompile compiles the model's graphs at step 1"
+                          + (f" and again at step {', '.join(map(str, again))} (its re-plan)"
+                             if again else "") + ": those steps take longer, and the bar "
+                          "appears once step 1 is done")
         elif kind == "step":
             result.losses.append(event["loss"])
             result.step_seconds.append(event["step_s"])
@@ -686,6 +692,19 @@ def _outcome(result: DemoResult) -> str:
     return f"FAILED{_where(err)}: {err.get('type', '?')}"
 
 
+def _first_lines(message: str) -> List[str]:
+    """What the comparison shows of an error: its first line and, for a failed build (whose next
+    lines are compiler command lines), the compiler's first ``error:`` line."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    if not lines:
+        return []
+    shown = [lines[0]]
+    if lines[0].startswith("Error building extension"):
+        shown = [lines[0].split(":", 1)[0]]
+        shown += [ln for ln in lines[1:] if "error:" in ln][:1]
+    return shown
+
+
 def _median_step(result: DemoResult) -> Optional[float]:
     _, steady = _steady(result)
     return statistics.median(steady) if steady else None
@@ -740,8 +759,7 @@ def format_comparison(c: Comparison) -> str:
             continue
         where = f"rank {err['rank']}" if err.get("rank") is not None else "the run"
         out += ["", f"{label}: {err['type']} ({where}{_where(err)})"]
-        # The first line: a build failure's next lines are compiler command lines.
-        out += [f"  {ln[:200]}" for ln in _error_excerpt(err["message"])[:1]]
+        out += [f"  {ln[:200]}" for ln in _first_lines(err["message"])]
         if err.get("why"):
             out.append(f"why: {err['why']}")
     out += ["", f"fix: {_fix_row(c.fixed.fix)}", f"gain: {_gain(c)}"]

@@ -31,6 +31,7 @@ naming where it came from (the variable, ``configure(<field>=...)``, the setter,
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import logging
 import math
@@ -38,15 +39,16 @@ import os
 import sys
 import textwrap
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 __all__ = ["Settings", "PERSISTENCE_BUDGET_ENV", "PREFETCH_BUDGET_ENV", "PROFILE_STORE_ENV",
            "GROUP_PERSISTENT_ENV", "GROUP_REDUCE_ENV", "WARM_START_ENV", "SINGLE_CYCLE_ENV",
            "CONFIG_SECTION", "MAX_BUDGET_MIB", "BUDGET_RANGE",
            "check_budget_mib", "check_profile_store", "check_switch",
-           "apply", "apply_config", "markdown_table",
+           "apply", "apply_config", "markdown_table", "unknown_variables", "OTHER_VARIABLES",
            "current", "subscribe", "update", "use"]
 
 log = logging.getLogger(__name__)
@@ -289,12 +291,34 @@ _current: Optional[Settings] = None  # None until first needed: then read from t
 _subscribers: List[Callable[[Settings], None]] = []
 
 
+# ds_z3native's variables read elsewhere: the start-up hook, the build, install().
+OTHER_VARIABLES = ("DS_Z3NATIVE", "DS_Z3NATIVE_CUDA", "DS_Z3NATIVE_UNVERIFIED_PATCHES")
+
+
+def unknown_variables(environ: Mapping[str, str]) -> List[Tuple[str, Optional[str]]]:
+    """(name, the known variable it is closest to, or None) of each ``DS_Z3NATIVE_*`` variable in
+    ``environ`` that ds_z3native does not read: a misspelt one (``..._BUDGET_MIB`` for
+    ``..._BUDGET_MB``) would otherwise be ignored without a word."""
+    known = sorted({f.metadata["variable"] for f in _FIELDS.values()} | set(OTHER_VARIABLES))
+    found = []
+    for name in sorted(environ):
+        if name.startswith("DS_Z3NATIVE_") and name not in known:
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.9)
+            found.append((name, near[0] if near else None))
+    return found
+
+
 def current() -> Settings:
-    """This process's settings (on the first call: read from ``os.environ``)."""
+    """This process's settings (on the first call: read from ``os.environ``, with a
+    ``UserWarning`` for each ``DS_Z3NATIVE_*`` variable that is not one of ds_z3native's)."""
     global _current
     with _lock:
         if _current is None:
             _current = Settings.from_env(os.environ)
+            for name, near in unknown_variables(os.environ):
+                # A warning, not a log record: the package's logger has no handler of its own.
+                warnings.warn(f"{name} is not a ds_z3native variable: ignored"
+                              + (f" (did you mean {near}?)" if near else ""), stacklevel=2)
         return _current
 
 
